@@ -1,0 +1,134 @@
+"""The `Runner` protocol: the one interface between the scheduler and a compute backend.
+
+This module is numba-free so `ninfer.sched` can import it anywhere. A runner owns the model's
+weights and the KV page storage; `ninfer.cache` decides which page ids a sequence holds.
+
+One `step` call processes a batch of rows. Each row is one sequence's new tokens: a prefill
+chunk (many tokens) or a single decode token, at absolute positions
+`start_pos .. start_pos + len(token_ids) - 1`. The runner writes their K/V into the row's
+pages (`page_table[p // page_size]` holds position p) and attends over positions
+`0 .. start_pos + len(token_ids) - 1`. Rows whose `sample` is set get one token sampled from the
+logits at their last position; other rows (non-final prefill chunks) return None.
+
+Sampling randomness is a pure function of (seed, token_index), so a seeded request produces the
+same tokens alone, in any batch, and after pause / replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from ninfer.models.spec import ModelSpec
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _in_range(lo, hi):
+    def check(instance, attribute, value):
+        if not lo <= value <= hi:
+            raise ValueError(f"{attribute.name} must be between {lo} and {hi}, got {value}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Per-request sampling knobs. temperature == 0 means greedy."""
+
+    temperature: float = attrs.field(default=1.0, validator=_in_range(0.0, 100.0))
+    top_k: int = attrs.field(default=0, validator=_in_range(0, 1 << 30))  # 0 = off
+    top_p: float = attrs.field(default=1.0, validator=_in_range(0.0, 1.0))
+    min_p: float = attrs.field(default=0.0, validator=_in_range(0.0, 1.0))
+    presence_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_in_range(0.01, 10.0))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SampleSpec:
+    """What to sample at a row's last position.
+
+    Penalties: presence / frequency apply over `output_ids` (tokens generated so far);
+    repetition applies over prompt and output (`prompt_ids` + `output_ids`), as in vLLM.
+    `allowed` is a bool mask over the vocabulary from a grammar (None = unconstrained).
+    Log-probabilities are of the raw model distribution (log_softmax of the logits, before
+    temperature, penalties or masks).
+    """
+
+    params: SamplingParams
+    seed: int
+    token_index: int  # index of the token being sampled among the request's outputs
+    prompt_ids: np.ndarray | None = None
+    output_ids: np.ndarray | None = None
+    allowed: np.ndarray | None = None
+    num_top_logprobs: int = attrs.field(default=0, validator=_in_range(0, MAX_TOP_LOGPROBS))
+    want_logits: bool = False  # return the raw float32 logits row (tests, scoring)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepRow:
+    seq_id: int
+    token_ids: np.ndarray  # int32 [n], n >= 1
+    start_pos: int
+    page_table: np.ndarray  # int32 page ids covering positions 0 .. start_pos + n - 1
+    sample: SampleSpec | None = None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SampledToken:
+    token_id: int
+    logprob: float  # log-probability of token_id under the raw distribution
+    top_ids: np.ndarray | None = None  # int32 [k], best first
+    top_logprobs: np.ndarray | None = None  # float32 [k]
+    logits: np.ndarray | None = None  # float32 [vocab] when SampleSpec.want_logits
+
+
+@attrs.frozen(eq=False)
+class PageSnapshot:
+    """KV contents of some pages, copied to host memory (opaque to the scheduler)."""
+
+    arrays: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """A compute backend: the numpy reference or the numba.cuda one."""
+
+    spec: ModelSpec
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages in the pool; ids are 0 .. num_pages - 1
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one page holds over all layers (K and V)."""
+
+    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """Run one forward over the batch; one result per row, None where row.sample is None."""
+
+    def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
+        """Copy the pages' KV to host memory."""
+
+    def restore_pages(self, page_ids: Sequence[int], snapshot: PageSnapshot) -> None:
+        """Write a snapshot back into (possibly different) pages, in the same order."""
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Device-side page copy (copy-on-write of a shared tail page)."""
+
+    def close(self) -> None:
+        """Release device memory and threads."""

@@ -1,0 +1,137 @@
+"""What a client asks the engine for, and the events it gets back.
+
+The protocol layer turns wire requests into a `GenerationRequest` (token ids already rendered
+and tokenized) and turns the event stream back into wire responses.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from ninfer.gpu.runner import MAX_TOP_LOGPROBS, SamplingParams
+
+
+class TokenConstraint(Protocol):
+    """A grammar that restricts which token may come next (structured output, tool calls).
+
+    The engine calls `allowed_mask()` before sampling each token and `advance(token_id)` once
+    per emitted token, in order. It never re-advances on replay after a pause.
+    """
+
+    def allowed_mask(self) -> np.ndarray | None:
+        """bool[vocab] of tokens allowed next, or None when anything may follow."""
+
+    def advance(self, token_id: int) -> None:
+        """Consume one emitted token."""
+
+    def is_finished(self) -> bool:
+        """True once the grammar accepts and allows nothing more (the engine then stops)."""
+
+
+def _max_tokens(instance, attribute, value):
+    if value < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {value}")
+
+
+def _top_logprobs(instance, attribute, value):
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {value}")
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = attrs.field(validator=_max_tokens)
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None  # None: the engine draws one at admission
+    stop: tuple[str, ...] = ()  # stop strings: matched across token boundaries, never emitted
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's own end-of-turn ids
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = attrs.field(default=0, validator=_top_logprobs)
+    constraint: TokenConstraint | None = None
+    cache_salt: str | None = None  # isolates tenants in the prefix cache
+    cache_read_only: bool = False  # read the prefix cache, publish nothing
+    request_id: str = ""
+
+    def __attrs_post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("the prompt must hold at least one token")
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-turn token, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@attrs.frozen
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@attrs.frozen
+class Timings:
+    queue_s: float  # admission to first scheduled step
+    ttft_s: float  # admission to first token
+    total_s: float  # admission to finish
+
+
+@attrs.frozen
+class Started:
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class TokenDelta:
+    token_ids: tuple[int, ...]
+    text: str  # newly completed text (never broken UTF-8, never part of a stop string)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@attrs.frozen
+class Finished:
+    reason: FinishReason
+    usage: Usage
+    timings: Timings
+    stop_sequence: str | None = None  # the stop string or token text that ended it
+    error: str | None = None  # message when reason is ERROR
+
+
+Event = Started | TokenDelta | Finished
+
+
+class EngineError(Exception):
+    """Base of the errors `submit` raises before a request starts."""
+
+
+class Overloaded(EngineError):
+    """The pending queue is full (HTTP 429 / Anthropic 529)."""
+
+
+class QueueTimeout(EngineError):
+    """The request waited past its pending deadline (HTTP 503)."""
+
+
+class RequestTooLarge(EngineError):
+    """Prompt + max_tokens can never fit the context (HTTP 400)."""
+
+
+class EngineUnhealthy(EngineError):
+    """The runner failed; the engine takes no more work (HTTP 503)."""
