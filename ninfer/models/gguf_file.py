@@ -1,0 +1,268 @@
+"""`load_gguf(path)`: a llama.cpp GGUF file as a `LoadedModel`.
+
+The file is memory-mapped by `gguf.GGUFReader`; tensors stay in their stored (often quantized)
+form and are never dequantized here. Only llama-arch Q/K matrices are copied, to undo the row
+permutation llama.cpp's converter applies for its interleaved RoPE (MODELS.md pitfall 1):
+canonical weights use the split-half rotation.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ninfer.models.chat_template import ChatTemplate, ChatTemplateError
+from ninfer.models.loaded import LoadedModel, ModelLoadError
+from ninfer.models.spec import SUPPORTED_ARCHS, ModelSpec
+from ninfer.models.tokenizer import Tokenizer
+from ninfer.models.weights import STORED_TYPES, ModelWeights, StoredTensor
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head",
+}  # fmt: skip
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "wq", "attn_k.weight": "wk", "attn_v.weight": "wv",
+    "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "attn_output.weight": "wo",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+}  # fmt: skip
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_REQUIRED_LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down")
+
+
+def load_gguf(path: str | Path, *, progress: bool = False) -> LoadedModel:
+    """Load a GGUF model file (llama, qwen2 or qwen3 architecture).
+
+    Every problem (missing or truncated file, unsupported architecture, tensor type, RoPE
+    scaling or tokenizer) raises `ModelLoadError` with a one-sentence message.
+    """
+    path = Path(path).expanduser()
+    reader = _open(path)
+    meta = _Metadata(reader, path)
+    spec = _read_spec(meta, reader)
+    tokenizer = _read_tokenizer(meta)
+    weights = _read_weights(reader, spec, path, progress=progress)
+    return LoadedModel(
+        name=_model_name(meta, path),
+        path=path,
+        file_format="gguf",
+        spec=spec,
+        weights=weights,
+        tokenizer=tokenizer,
+        chat_template=_read_chat_template(meta, tokenizer),
+        stop_token_ids=tokenizer.stop_ids(),
+    )
+
+
+def _open(path: Path):
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader signals bad files with assorted ValueError / IndexError
+        reason = "it does not start with the GGUF magic" if "magic" in str(exc) else f"{exc}"
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({reason}).") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > path.stat().st_size:
+        raise ModelLoadError(f"{path} is truncated: its tensors need {end} bytes, the file has fewer.")
+    return reader
+
+
+class _Metadata:
+    """Typed access to the GGUF key-value section, with one-sentence errors for missing keys."""
+
+    def __init__(self, reader, path: Path):
+        self._fields = reader.fields
+        self.path = path
+        self.arch = self.get("general.architecture")
+        if self.arch is None:
+            raise ModelLoadError(f"{path} has no general.architecture metadata.")
+
+    def get(self, key: str, default=None):
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path} is missing the metadata key {key}.")
+        return value
+
+    def arch_key(self, suffix: str, default=None, *, required: bool = False):
+        key = f"{self.arch}.{suffix}"
+        return self.require(key) if required else self.get(key, default)
+
+
+def _as_float32_decimal(value: float) -> float:
+    """The shortest decimal that round-trips the stored float32 (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _read_spec(meta: _Metadata, reader) -> ModelSpec:
+    if meta.arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"{meta.path.name}: architecture {meta.arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHS)})."
+        )
+    scaling = meta.arch_key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelLoadError(f"{meta.path.name}: RoPE scaling {scaling!r} is not supported yet.")
+    num_heads = int(meta.arch_key("attention.head_count", required=True))
+    num_kv_heads = meta.arch_key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):
+        raise ModelLoadError(f"{meta.path.name}: a per-layer KV head count is not supported.")
+    d_model = int(meta.arch_key("embedding_length", required=True))
+    head_dim = int(meta.arch_key("attention.key_length", d_model // num_heads))
+    if int(meta.arch_key("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{meta.path.name}: key and value head sizes differ, which is not supported.")
+    if int(meta.arch_key("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(f"{meta.path.name}: partial rotary embeddings are not supported.")
+    names = {t.name for t in reader.tensors}
+    vocab = meta.arch_key("vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    try:
+        return ModelSpec(
+            arch=meta.arch,
+            num_layers=int(meta.arch_key("block_count", required=True)),
+            d_model=d_model,
+            d_ffn=int(meta.arch_key("feed_forward_length", required=True)),
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=head_dim,
+            vocab_size=int(vocab),
+            max_context=int(meta.arch_key("context_length", required=True)),
+            rope_theta=_as_float32_decimal(meta.arch_key("rope.freq_base", 10000.0)),
+            rms_eps=_as_float32_decimal(meta.arch_key("attention.layer_norm_rms_epsilon", required=True)),
+            tie_embeddings="output.weight" not in names,
+            has_qkv_bias="blk.0.attn_q.bias" in names,
+            has_qk_norm="blk.0.attn_q_norm.weight" in names,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{meta.path.name}: inconsistent hyper-parameters ({exc}).") from None
+
+
+def _read_tokenizer(meta: _Metadata) -> Tokenizer:
+    tokens = meta.require("tokenizer.ggml.tokens")
+    extra = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    return Tokenizer.from_gguf_metadata(
+        tokens,
+        meta.get("tokenizer.ggml.token_type") or [1] * len(tokens),
+        meta.get("tokenizer.ggml.merges") or [],
+        model=meta.require("tokenizer.ggml.model"),
+        pre=meta.get("tokenizer.ggml.pre"),
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_id=meta.get("tokenizer.ggml.eos_token_id"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        extra_stop_ids=[i for i in extra if i is not None],
+    )
+
+
+def _read_chat_template(meta: _Metadata, tokenizer: Tokenizer) -> ChatTemplate | None:
+    source = meta.get("tokenizer.chat_template")
+    if source is None:
+        return None
+    token = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
+    try:
+        return ChatTemplate(source, bos_token=token(tokenizer.bos_id), eos_token=token(tokenizer.eos_id))
+    except ChatTemplateError as exc:
+        raise ModelLoadError(f"{meta.path.name}: {exc}") from None
+
+
+def _model_name(meta: _Metadata, path: Path) -> str:
+    """The registry's public id for a known file, else general.name, else the file stem."""
+    from ninfer.models.registry import public_id_for_file
+
+    return public_id_for_file(path) or meta.get("general.name") or path.stem
+
+
+def _canonical_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    return None
+
+
+def _stored_tensor(t, path: Path) -> StoredTensor:
+    qtype = t.tensor_type.name
+    if qtype not in STORED_TYPES:
+        raise ModelLoadError(
+            f"{path.name}: tensor {t.name} is stored as {qtype}, which ninfer does not support."
+        )
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+    data = t.data
+    if qtype == "BF16":  # the reader exposes bf16 as raw bytes
+        data = data.view(np.uint16).reshape(shape)
+    return StoredTensor(qtype, shape, data)
+
+
+def _rope_unpermute_order(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row order turning llama.cpp's interleaved Q/K layout back into split-half.
+
+    The converter maps canonical row (h, j, i) -- head h, half j, pair index i -- to stored row
+    (h, i, j); reading the stored rows in (h, j, i) order restores the canonical matrix.
+    """
+    head_dim = num_rows // num_heads
+    stored = np.arange(num_rows).reshape(num_heads, head_dim // 2, 2)
+    return stored.swapaxes(1, 2).reshape(-1)
+
+
+def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    d, q, kv, f = spec.d_model, spec.q_dim, spec.kv_dim, spec.d_ffn
+    return {
+        "embed": (spec.vocab_size, d), "lm_head": (spec.vocab_size, d), "final_norm": (d,),
+        "attn_norm": (d,), "ffn_norm": (d,), "wq": (q, d), "wk": (kv, d), "wv": (kv, d),
+        "bq": (q,), "bk": (kv,), "bv": (kv,), "q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,),
+        "wo": (d, q), "w_gate": (f, d), "w_up": (f, d), "w_down": (d, f),
+    }  # fmt: skip
+
+
+def _read_weights(reader, spec: ModelSpec, path: Path, *, progress: bool) -> ModelWeights:
+    from tqdm import tqdm
+
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise ModelLoadError(f"{path.name}: per-frequency RoPE scaling (rope_freqs) is not supported yet.")
+    expected = _expected_shapes(spec)
+    tensors: dict[str, StoredTensor] = {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        name = _canonical_name(t.name)
+        if name is None:
+            raise ModelLoadError(
+                f"{path.name}: tensor {t.name} is not part of a supported {spec.arch} model."
+            )
+        stored = _stored_tensor(t, path)
+        role = name.rsplit(".", 1)[-1]
+        if stored.shape != expected[role]:
+            raise ModelLoadError(
+                f"{path.name}: tensor {t.name} has shape {stored.shape}, expected {expected[role]}."
+            )
+        if spec.arch == "llama" and role in ("wq", "bq", "wk", "bk"):
+            heads = spec.num_heads if role in ("wq", "bq") else spec.num_kv_heads
+            stored = stored.take_rows(_rope_unpermute_order(stored.shape[0], heads))
+        tensors[name] = stored
+    _check_complete(tensors, spec, path)
+    return ModelWeights(tensors, spec.num_layers)
+
+
+def _check_complete(tensors: dict[str, StoredTensor], spec: ModelSpec, path: Path) -> None:
+    needed = ["embed", "final_norm"] + ([] if spec.tie_embeddings else ["lm_head"])
+    per_layer = list(_REQUIRED_LAYER)
+    per_layer += ["bq", "bk", "bv"] if spec.has_qkv_bias else []
+    per_layer += ["q_norm", "k_norm"] if spec.has_qk_norm else []
+    needed += [f"layers.{i}.{n}" for i in range(spec.num_layers) for n in per_layer]
+    missing = [n for n in needed if n not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path.name}: {len(missing)} tensors are missing, starting with {missing[0]}.")
+    extra = [n for n in tensors if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]
+    if extra:
+        raise ModelLoadError(
+            f"{path.name}: tensor {extra[0]} lies beyond the {spec.num_layers} layers declared."
+        )
