@@ -112,6 +112,7 @@ class Finished:
     timings: Timings
     stop_sequence: str | None = None  # the stop string or token text that ended it
     error: str | None = None  # message when reason is ERROR
+    stop_token_id: int | None = None  # the stop / end-of-turn token that ended it (never emitted)
 
 
 Event = Started | TokenDelta | Finished
@@ -135,3 +136,7 @@ class RequestTooLarge(EngineError):
 
 class EngineUnhealthy(EngineError):
     """The runner failed; the engine takes no more work (HTTP 503)."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request can never run as given, e.g. token ids outside the vocabulary (HTTP 400)."""

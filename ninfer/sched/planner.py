@@ -1,0 +1,211 @@
+"""Scheduling decisions as pure functions over plain state (sans-IO; no trio, no runner).
+
+`plan_step` decides, for the next forward pass, in this order:
+
+1. Rows for the running sequences, oldest first. A decoding sequence always gets its one
+   token; prefilling (or replaying) sequences share at most `prefill_chunk` tokens per step.
+   Pages are reserved only for the tokens of this step.
+2. Pressure: when a row cannot get even the one page it needs, the planner first takes
+   inactive prefix-cache pages (`num_reclaimable_pages`), then pauses the youngest running
+   sequences that are younger than it, one at a time, until the page fits. A pause snapshots
+   the victim's KV to host while the host budget allows, otherwise drops it for replay.
+   Nobody is paused for an older sequence's sake, so the oldest always progresses.
+3. Only in a step that paused nobody: resume paused sequences in arrival order, then admit
+   waiting ones in FIFO order, each only when its restore plus its first row fit in the free
+   pages with one spare page left for every running sequence (hysteresis against thrash).
+   Nothing is admitted while anything is paused: paused sequences arrived earlier.
+
+The driver applies the plan in the same order (reclaim, pauses, resumes, admissions, rows).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as Seq
+
+import attrs
+
+from ninfer.cache.pages import pages_for_tokens
+from ninfer.sched.sequence import Sequence
+
+
+@attrs.frozen(kw_only=True)
+class PlanLimits:
+    page_size: int
+    prefill_chunk: int
+    max_concurrency: int
+    host_snapshot_bytes: int
+    page_nbytes: int
+
+
+@attrs.frozen(kw_only=True)
+class PoolState:
+    num_free_pages: int
+    num_reclaimable_pages: int = 0  # inactive prefix-cache pages that could be freed
+    host_snapshot_bytes_used: int = 0
+
+
+class PauseMode(enum.Enum):
+    SNAPSHOT = "snapshot"  # copy the pages to host, restore them on resume
+    DROP = "drop"  # free the pages, replay prompt + emitted tokens on resume
+
+
+@attrs.frozen(eq=False)
+class Pause:
+    seq: Sequence
+    mode: PauseMode
+
+
+@attrs.frozen(eq=False)
+class PlannedRow:
+    """Feed `seq.token_ids[seq.num_cached : seq.num_cached + num_tokens]` this step."""
+
+    seq: Sequence
+    num_tokens: int
+    num_new_pages: int  # pages to allocate for this row (after any snapshot restore)
+    samples: bool  # the row reaches the last known token, so the runner samples the next
+
+
+@attrs.frozen(eq=False)
+class StepPlan:
+    rows: tuple[PlannedRow, ...] = ()
+    pauses: tuple[Pause, ...] = ()
+    resumes: tuple[Sequence, ...] = ()
+    admits: tuple[Sequence, ...] = ()
+    num_reclaim_pages: int = 0
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.rows or self.pauses or self.resumes or self.admits)
+
+
+class _Budget:
+    """What is left to hand out while one step is being planned."""
+
+    def __init__(self, pool: PoolState, limits: PlanLimits):
+        self.num_free = pool.num_free_pages
+        self.num_reclaimable = pool.num_reclaimable_pages
+        self.num_reclaim = 0
+        self.num_prefill_left = limits.prefill_chunk
+        self.host_bytes_left = limits.host_snapshot_bytes - pool.host_snapshot_bytes_used
+
+    def reclaim_up_to(self, num_pages: int) -> None:
+        take = min(self.num_reclaimable, max(0, num_pages - self.num_free))
+        self.num_reclaimable -= take
+        self.num_reclaim += take
+        self.num_free += take
+
+    def pause_mode(self, seq: Sequence, page_nbytes: int) -> PauseMode:
+        snapshot_bytes = len(seq.pages) * page_nbytes
+        if seq.num_cached == 0 or snapshot_bytes > self.host_bytes_left:
+            return PauseMode.DROP
+        self.host_bytes_left -= snapshot_bytes
+        return PauseMode.SNAPSHOT
+
+
+def plan_step(
+    running: Seq[Sequence],
+    paused: Seq[Sequence],
+    waiting: Seq[Sequence],
+    pool: PoolState,
+    limits: PlanLimits,
+) -> StepPlan:
+    """Decide the next step. All three lists are in arrival (FIFO) order."""
+    budget = _Budget(pool, limits)
+    residents = list(running)
+    rows, pauses = _plan_running(residents, budget, limits)
+    resumes: list[Sequence] = []
+    admits: list[Sequence] = []
+    if not pauses:
+        resumes = _plan_starts(paused, residents, rows, budget, limits)
+        if len(resumes) == len(paused):
+            num_lanes_free = limits.max_concurrency - len(residents)
+            admits = _plan_starts(waiting[: max(0, num_lanes_free)], residents, rows, budget, limits)
+    return StepPlan(
+        rows=tuple(rows),
+        pauses=tuple(pauses),
+        resumes=tuple(resumes),
+        admits=tuple(admits),
+        num_reclaim_pages=budget.num_reclaim,
+    )
+
+
+def _wanted_tokens(seq: Sequence, num_prefill_left: int) -> int:
+    """Tokens the sequence would feed this step: its decode token, or a prefill chunk."""
+    if seq.num_pending == 1:
+        return 1
+    return min(seq.num_pending, num_prefill_left)
+
+
+def _plan_running(residents: list[Sequence], budget: _Budget, limits: PlanLimits):
+    rows: list[PlannedRow] = []
+    pauses: list[Pause] = []
+    index = 0
+    while index < len(residents):
+        seq = residents[index]
+        num_wanted = _wanted_tokens(seq, budget.num_prefill_left)
+        if num_wanted:
+            budget.reclaim_up_to(seq.pages_needed(num_wanted, limits.page_size))
+            pauses += _pause_for(seq, index, residents, budget, limits)
+            row = _fit_row(seq, num_wanted, len(seq.pages), budget, limits)
+            if row is not None:
+                rows.append(row)
+        index += 1
+    return rows, pauses
+
+
+def _pause_for(seq, index, residents, budget, limits) -> list[Pause]:
+    """Pause the youngest residents younger than `seq` until its first new token fits."""
+    pauses = []
+    while seq.pages_needed(1, limits.page_size) > budget.num_free:
+        victim = next((s for s in reversed(residents[index + 1 :]) if s.pages), None)
+        if victim is None:
+            break
+        residents.remove(victim)
+        pauses.append(Pause(victim, budget.pause_mode(victim, limits.page_nbytes)))
+        budget.num_free += len(victim.pages)
+    return pauses
+
+
+def _fit_row(seq, num_wanted, num_held, budget: _Budget, limits) -> PlannedRow | None:
+    """Shrink the wanted tokens to the free pages; reserve them."""
+    fitting = (num_held + budget.num_free) * limits.page_size - seq.num_cached
+    num_tokens = min(num_wanted, fitting)
+    if num_tokens <= 0:
+        return None
+    num_new_pages = pages_for_tokens(seq.num_cached + num_tokens, limits.page_size) - num_held
+    budget.num_free -= max(0, num_new_pages)
+    if seq.num_pending > 1:
+        budget.num_prefill_left -= num_tokens
+    return PlannedRow(seq, num_tokens, max(0, num_new_pages), num_tokens == seq.num_pending)
+
+
+def _plan_starts(candidates, residents, rows, budget: _Budget, limits) -> list[Sequence]:
+    """Resume (or admit) candidates in order while each fits with headroom; stop at the first miss."""
+    started = []
+    for seq in candidates:
+        num_held = seq.num_snapshot_pages if seq.snapshot is not None else len(seq.pages)
+        first_row = 1 if seq.num_pending == 1 else min(seq.num_pending, limits.prefill_chunk)
+        num_needed = pages_for_tokens(seq.num_cached + first_row, limits.page_size) - len(seq.pages)
+        num_headroom = len(residents)  # one page of growth for every running sequence
+        budget.reclaim_up_to(num_needed + num_headroom)
+        if budget.num_free - num_needed < num_headroom:
+            break
+        budget.num_free -= num_held - len(seq.pages)  # the snapshot's pages
+        residents.append(seq)
+        started.append(seq)
+        row = _fit_row(seq, _wanted_tokens(seq, budget.num_prefill_left), num_held, budget, limits)
+        if row is not None:
+            rows.append(row)
+    return started
+
+
+def split_expired(waiting: Seq[Sequence], now_s: float) -> tuple[list[Sequence], list[Sequence]]:
+    """(still waiting, past their pending deadline)."""
+    keep = [seq for seq in waiting if seq.deadline_s > now_s]
+    expired = [seq for seq in waiting if seq.deadline_s <= now_s]
+    return keep, expired
+
+
+def next_deadline_s(waiting: Seq[Sequence]) -> float:
+    return min((seq.deadline_s for seq in waiting), default=float("inf"))

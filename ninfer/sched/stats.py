@@ -1,0 +1,89 @@
+"""What the engine counts: a frozen snapshot for metrics and a per-request record for histograms."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+
+import attrs
+
+
+class Outcome(enum.Enum):
+    """How a submitted request ended (the label of `requests_by_outcome`)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    QUEUE_TIMEOUT = "queue_timeout"
+    OVERLOADED = "overloaded"  # rejected by submit: the FIFO was full
+    TOO_LARGE = "too_large"  # rejected by submit: it can never fit the context
+    UNHEALTHY = "unhealthy"  # rejected or dropped from the FIFO after a runner failure
+
+
+@attrs.frozen(kw_only=True)
+class EngineStatistics:
+    """A snapshot of the engine's gauges and counters (counters only ever grow)."""
+
+    is_healthy: bool
+    num_lanes: int  # max_concurrency
+    num_waiting: int  # in the FIFO
+    num_running: int  # holding a lane with resident KV
+    num_paused: int  # holding a lane, KV snapshotted to host or dropped
+    num_pages_capacity: int
+    num_pages_used: int  # capacity - free (running sequences + prefix cache)
+    num_pages_free: int
+    num_pages_active: int  # pages held by running sequences
+    host_snapshot_bytes: int  # host memory now held by snapshots of paused sequences
+    num_steps: int
+    num_preemptions: int  # pauses, by snapshot or by drop
+    num_snapshot_restores: int
+    num_replay_restores: int
+    num_replayed_tokens: int  # tokens recomputed after a drop (not counted as prefill)
+    num_prompt_tokens: int  # prompt tokens of admitted requests (cached ones included)
+    num_prefill_tokens: int  # prompt tokens actually computed (first time, not replay)
+    num_cached_prompt_tokens: int  # prompt tokens served from the prefix cache
+    num_generated_tokens: int  # sampled tokens, stop tokens included
+    requests_by_outcome: Mapping[str, int]  # Outcome.value -> count
+
+
+class Counters:
+    """The mutable tallies behind `EngineStatistics`."""
+
+    def __init__(self):
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_snapshot_restores = 0
+        self.num_replay_restores = 0
+        self.num_replayed_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_prefill_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.outcomes = {outcome.value: 0 for outcome in Outcome}
+
+    def count_outcome(self, outcome: Outcome) -> None:
+        self.outcomes[outcome.value] += 1
+
+
+@attrs.frozen(kw_only=True)
+class RequestRecord:
+    """Timings of one finished request, handed to the engine's observer.
+
+    Times are seconds from submission. `ttft_s` is None when no token was generated;
+    `inter_token_s` holds the gaps between consecutive tokens.
+    """
+
+    request_id: str
+    outcome: Outcome
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    num_pauses: int
+    queue_s: float | None  # until the first scheduled step (None: never scheduled)
+    ttft_s: float | None
+    inter_token_s: tuple[float, ...]
+    total_s: float
+
+
+RequestObserver = Callable[[RequestRecord], None]

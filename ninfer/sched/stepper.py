@@ -1,0 +1,230 @@
+"""The step task: the only owner of the runner.
+
+Each iteration is one recipe: reap cancelled requests, expire the queue, plan, apply the
+plan (reclaim, pause, resume, admit), run one batched forward off the event loop, hand the
+sampled tokens to their lanes and wait until every lane has taken its token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from ninfer.gpu.runner import Runner, SampleSpec, StepRow
+from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
+from ninfer.sched.planner import split_expired
+from ninfer.sched.request import FinishReason, QueueTimeout, Started
+from ninfer.sched.sequence import Phase, Sequence
+from ninfer.sched.state import EngineState
+from ninfer.sched.stats import Outcome
+
+log = logging.getLogger(__name__)
+
+Executor = Callable[..., Awaitable[Any]]
+
+
+class Stepper:
+    def __init__(
+        self,
+        state: EngineState,
+        runner: Runner,
+        executor: Executor,
+        limits: PlanLimits,
+        assignments: trio.MemorySendChannel,
+    ):
+        self._state = state
+        self._runner = runner
+        self._executor = executor
+        self._limits = limits
+        self._assignments = assignments
+
+    async def run(self) -> None:
+        """Step until cancelled, or until the runner fails (the engine is then unhealthy)."""
+        while True:
+            await trio.lowlevel.checkpoint()
+            try:
+                did_work = await self._step_once()
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                # The runner's state is unknown now: fail everything in flight, take no more.
+                log.exception("an engine step failed; the engine is now unhealthy")
+                self._state.fail_all(f"the runner failed: {type(exc).__name__}: {exc}")
+                return
+            if not did_work:
+                await self._state.work_changed.wait()
+
+    async def _step_once(self) -> bool:
+        state = self._state
+        self._reap_cancelled()
+        expire_waiting(state)
+        self._attach_prefixes()
+        pool = PoolState(
+            num_free_pages=state.pool.num_free,
+            num_reclaimable_pages=state.prefix.num_reclaimable_pages(),
+            host_snapshot_bytes_used=state.host_snapshot_bytes,
+        )
+        plan = plan_step(state.running, state.paused, state.waiting, pool, self._limits)
+        if plan.is_idle:
+            return False
+        if plan.num_reclaim_pages:
+            state.prefix.reclaim(plan.num_reclaim_pages, state.pool)
+        # Pauses and resumes await the runner; meanwhile a queued request may be cancelled
+        # or expire, so each step re-checks the phase the plan was made for.
+        for pause in plan.pauses:
+            if pause.seq.phase is Phase.RUNNING:
+                await self._pause(pause)
+        for seq in plan.resumes:
+            if seq.phase is Phase.PAUSED:
+                await self._resume(seq)
+        for seq in plan.admits:
+            if seq.phase is Phase.WAITING:
+                self._admit(seq)
+        if plan.rows:
+            await self._run_rows(plan.rows)
+        return True
+
+    # -- bookkeeping before the plan ----------------------------------------------------
+
+    def _reap_cancelled(self) -> None:
+        for seq in [*self._state.running, *self._state.paused]:
+            if seq.is_cancel_requested:
+                self._state.finish(seq, FinishReason.CANCELLED)
+
+    def _attach_prefixes(self) -> None:
+        state = self._state
+        num_lanes_free = self._limits.max_concurrency - len(state.running) - len(state.paused)
+        for seq in state.waiting[: max(0, num_lanes_free)]:
+            if not seq.is_prefix_looked_up:
+                seq.is_prefix_looked_up = True
+                state.prefix.attach(seq, state.pool)
+
+    # -- applying the plan ---------------------------------------------------------------
+
+    async def _pause(self, pause: Pause) -> None:
+        state, seq = self._state, pause.seq
+        if pause.mode is PauseMode.SNAPSHOT:
+            snapshot = await self._executor(self._runner.snapshot_pages, list(seq.pages))
+            seq.snapshot, seq.num_snapshot_pages = snapshot, len(seq.pages)
+            state.host_snapshot_bytes += snapshot.nbytes
+        else:
+            seq.num_cached = 0
+        state.pool.release(seq.pages)
+        seq.pages = []
+        seq.num_pauses += 1
+        state.counters.num_preemptions += 1
+        state.move(seq, Phase.PAUSED)
+        state.tickets[seq.seq_id].interrupt()
+
+    async def _resume(self, seq: Sequence) -> None:
+        state = self._state
+        if seq.snapshot is not None:
+            pages = state.pool.allocate(seq.num_snapshot_pages)
+            await self._executor(self._runner.restore_pages, pages, seq.snapshot)
+            state.host_snapshot_bytes -= seq.snapshot.nbytes
+            seq.snapshot, seq.pages = None, pages
+            state.counters.num_snapshot_restores += 1
+        else:
+            state.counters.num_replay_restores += 1
+        state.move(seq, Phase.RUNNING)
+        state.tickets[seq.seq_id].wake.notify()
+
+    def _admit(self, seq: Sequence) -> None:
+        state = self._state
+        state.move(seq, Phase.RUNNING)
+        state.counters.num_prompt_tokens += seq.num_prompt
+        state.counters.num_cached_prompt_tokens += seq.num_cached_prompt
+        ticket = state.tickets[seq.seq_id]
+        ticket.emit(Started(seq.request.request_id, seq.num_prompt, seq.num_cached_prompt))
+        self._assignments.send_nowait(seq)
+        state.queue_changed.notify()
+
+    # -- the forward pass ----------------------------------------------------------------
+
+    async def _run_rows(self, planned: tuple[PlannedRow, ...]) -> None:
+        started_s = trio.current_time()
+        kept, rows = [], []
+        for planned_row in planned:
+            row = self._make_row(planned_row, started_s)
+            if row is not None:
+                kept.append(planned_row)
+                rows.append(row)
+        if not rows:
+            return
+        results = await self._executor(self._runner.step, rows)
+        if len(results) != len(rows):
+            raise RuntimeError(f"the runner returned {len(results)} results for {len(rows)} rows")
+        self._state.counters.num_steps += 1
+        for planned_row, result in zip(kept, results):
+            self._commit(planned_row, result)
+        await self._state.wait_settled()
+
+    def _make_row(self, planned: PlannedRow, started_s: float) -> StepRow | None:
+        seq = planned.seq
+        if seq.phase is not Phase.RUNNING:
+            return None
+        sample = None
+        if planned.samples:
+            try:
+                sample = self._sample_spec(seq)
+            except Exception as exc:
+                log.exception("request %s: building its sampling inputs failed", seq.request.request_id)
+                self._state.finish(seq, FinishReason.ERROR, error=f"invalid constraint: {exc}")
+                return None
+        seq.pages += self._state.pool.allocate(planned.num_new_pages)
+        if seq.first_scheduled_s is None:
+            seq.first_scheduled_s = started_s
+        start = seq.num_cached
+        tokens = seq.token_ids[start : start + planned.num_tokens]
+        return StepRow(
+            seq_id=seq.seq_id,
+            token_ids=np.asarray(tokens, dtype=np.int32),
+            start_pos=start,
+            page_table=np.asarray(seq.pages, dtype=np.int32),
+            sample=sample,
+        )
+
+    def _sample_spec(self, seq: Sequence) -> SampleSpec:
+        request = seq.request
+        allowed = None
+        if request.constraint is not None:
+            allowed = request.constraint.allowed_mask()
+            if allowed is not None and not np.any(allowed):
+                raise ValueError("the grammar allows no token at this point")
+        with_penalties = request.sampling.has_penalties
+        return SampleSpec(
+            params=request.sampling,
+            seed=seq.seed,
+            token_index=seq.num_output,
+            prompt_ids=seq.prompt_array if with_penalties else None,
+            output_ids=np.asarray(seq.output_ids, dtype=np.int32) if with_penalties else None,
+            allowed=allowed,
+            num_top_logprobs=request.top_logprobs if request.logprobs else 0,
+        )
+
+    def _commit(self, planned: PlannedRow, result) -> None:
+        seq, counters = planned.seq, self._state.counters
+        old, new = seq.num_cached, seq.num_cached + planned.num_tokens
+        seq.num_cached = new
+        counters.num_replayed_tokens += max(0, min(new, seq.num_computed_max) - old)
+        counters.num_prefill_tokens += max(0, min(new, seq.num_prompt) - max(old, seq.num_computed_max))
+        seq.num_computed_max = max(seq.num_computed_max, new)
+        # A request cancelled (or shut down) while the step ran is reaped, not fed.
+        if planned.samples and seq.phase is Phase.RUNNING and not seq.is_cancel_requested:
+            if result is None:
+                raise RuntimeError(f"the runner sampled nothing for sequence {seq.seq_id}")
+            self._state.deliver(seq, result)
+
+
+def expire_waiting(state: EngineState) -> None:
+    """Reject every queued request whose pending deadline has passed."""
+    now_s = trio.current_time()
+    _, expired = split_expired(state.waiting, now_s)
+    for seq in expired:
+        waited_s = now_s - seq.submitted_s
+        error = QueueTimeout(f"The request waited {waited_s:.3g} s for a free lane and timed out.")
+        state.reject_waiting(seq, error, Outcome.QUEUE_TIMEOUT)

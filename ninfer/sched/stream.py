@@ -1,0 +1,100 @@
+"""`RequestStream`: what `engine.submit` returns to its caller."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ninfer.sched.request import EngineError, Event, Finished, Started, TokenDelta, TokenLogprob
+
+
+@attrs.frozen
+class Completion:
+    """A whole generation, as `RequestStream.collect()` gathers it."""
+
+    started: Started
+    token_ids: tuple[int, ...]
+    text: str
+    finished: Finished
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+class RequestStream:
+    """The events of one request: `Started`, `TokenDelta`..., then exactly one `Finished`.
+
+    Use it as `async with engine.submit(request) as stream: async for event in stream: ...`.
+    Leaving the block, calling `aclose()`, or cancelling the task that iterates cancels the
+    request. A request that never starts raises its `EngineError` (`QueueTimeout`,
+    `EngineUnhealthy`) from the iterator instead of yielding `Started`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        seed: int,
+        receive: trio.MemoryReceiveChannel,
+        cancel: Callable[[], None],
+    ):
+        self.request_id = request_id
+        self.seed = seed  # the request's seed, or the one drawn for it at submission
+        self._receive = receive
+        self._cancel = cancel
+        self._is_done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._is_done:
+            raise StopAsyncIteration
+        try:
+            item = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._is_done = True
+            raise StopAsyncIteration from None
+        except trio.Cancelled:
+            self.cancel()
+            raise
+        if isinstance(item, EngineError):
+            self._is_done = True
+            raise item
+        if isinstance(item, Finished):
+            self._is_done = True
+        return item
+
+    def cancel(self) -> None:
+        """Cancel the request (no-op once it finished); its pages are free within one step."""
+        if not self._is_done:
+            self._is_done = True
+            self._cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+        self._receive.close()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
+
+    async def collect(self) -> Completion:
+        """Iterate to the end and gather the ids, text and logprobs."""
+        started, finished = None, None
+        token_ids: list[int] = []
+        text: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        async for event in self:
+            if isinstance(event, Started):
+                started = event
+            elif isinstance(event, TokenDelta):
+                token_ids += event.token_ids
+                text.append(event.text)
+                logprobs += event.logprobs or ()
+            else:
+                finished = event
+        assert started is not None and finished is not None
+        return Completion(started, tuple(token_ids), "".join(text), finished, tuple(logprobs) or None)

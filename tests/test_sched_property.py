@@ -1,0 +1,219 @@
+"""Property tests over random traces: arrivals, lengths, cancellations, tiny KV pools.
+
+After every run: page accounting is back to zero, every request ended exactly once, every
+token stream is gap- and duplicate-free, and each request produced exactly the tokens it
+produces alone (a prefix of them when it was cancelled).
+"""
+
+from __future__ import annotations
+
+import attrs
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ninfer.gpu.runner import SamplingParams
+from ninfer.sched.config import EngineConfig
+from ninfer.sched.engine import open_engine
+from ninfer.sched.fake import ByteTokenizer, CostModel, FakeRunner, VirtualTimeExecutor
+from ninfer.sched.output import StopStringMatcher
+from ninfer.sched.request import (
+    FinishReason,
+    GenerationRequest,
+    Overloaded,
+    QueueTimeout,
+    Started,
+    TokenDelta,
+)
+
+PAGE = 4
+MAX_CONTEXT = 32
+COST = CostModel(step_s=1 / 4, token_s=1 / 64, page_copy_s=1 / 128)
+
+
+@attrs.frozen
+class Arrival:
+    at_s: float
+    num_prompt: int
+    max_tokens: int
+    seed: int
+    greedy: bool
+    cancel_after_s: float | None
+
+
+@attrs.frozen
+class Trace:
+    arrivals: tuple[Arrival, ...]
+    num_pages: int
+    host_pages: int  # host snapshot budget, in pages
+    prefill_chunk: int
+    max_concurrency: int
+    max_pending: int
+    pending_timeout_s: float
+
+
+@st.composite
+def arrivals(draw):
+    num_prompt = draw(st.integers(1, 20))
+    return Arrival(
+        at_s=draw(st.integers(0, 16)) / 8,
+        num_prompt=num_prompt,
+        max_tokens=draw(st.integers(1, MAX_CONTEXT - num_prompt)),
+        seed=draw(st.integers(0, 2**32)),
+        greedy=draw(st.booleans()),
+        cancel_after_s=draw(st.none() | st.none() | st.integers(0, 40).map(lambda n: n / 8)),
+    )
+
+
+traces = st.builds(
+    Trace,
+    arrivals=st.lists(arrivals(), min_size=1, max_size=10).map(tuple),
+    num_pages=st.integers(MAX_CONTEXT // PAGE, MAX_CONTEXT // PAGE + 4),
+    host_pages=st.sampled_from([0, 2, 5, 1000]),
+    prefill_chunk=st.sampled_from([3, 8, 64]),
+    max_concurrency=st.integers(1, 5),
+    max_pending=st.integers(1, 8),
+    pending_timeout_s=st.sampled_from([4.0, 1000.0, 1000.0]),
+)
+
+
+def to_request(arrival: Arrival) -> GenerationRequest:
+    prompt = tuple((arrival.seed + 7 * i) % 256 for i in range(arrival.num_prompt))
+    sampling = SamplingParams(temperature=0.0) if arrival.greedy else SamplingParams()
+    return GenerationRequest(prompt_ids=prompt, max_tokens=arrival.max_tokens, seed=arrival.seed,
+                             sampling=sampling)  # fmt: skip
+
+
+def make_runner(num_pages):
+    return FakeRunner(num_pages=num_pages, page_size=PAGE, max_context=MAX_CONTEXT, cost=COST)
+
+
+@attrs.define
+class Outcome:
+    events: list = attrs.field(factory=list)
+    error: Exception | None = None
+
+
+async def follow(engine, arrival: Arrival, outcome: Outcome):
+    await trio.sleep_until(arrival.at_s)
+    try:
+        stream = engine.submit(to_request(arrival))
+    except Overloaded as exc:
+        outcome.error = exc
+        return
+    leave_at = float("inf") if arrival.cancel_after_s is None else arrival.at_s + arrival.cancel_after_s
+    with trio.move_on_at(leave_at):
+        try:
+            async with stream:
+                async for event in stream:
+                    outcome.events.append(event)
+        except QueueTimeout as exc:
+            outcome.error = exc
+
+
+async def run_trace(trace: Trace):
+    runner = make_runner(trace.num_pages)
+    config = EngineConfig(
+        page_size=PAGE, prefill_chunk=trace.prefill_chunk, max_concurrency=trace.max_concurrency,
+        max_pending=trace.max_pending, pending_timeout_s=trace.pending_timeout_s,
+        host_snapshot_bytes=trace.host_pages * runner.page_nbytes,
+    )  # fmt: skip
+    outcomes = [Outcome() for _ in trace.arrivals]
+    async with open_engine(config, runner, ByteTokenizer(), executor=VirtualTimeExecutor(runner)) as engine:
+        async with trio.open_nursery() as nursery:
+            for arrival, outcome in zip(trace.arrivals, outcomes):
+                nursery.start_soon(follow, engine, arrival, outcome)
+        await trio.sleep(10)  # cancellations take effect within one step
+        stats = engine.statistics()
+        engine._state.pool.check_consistent(holders=[])
+    return outcomes, stats
+
+
+async def run_alone(trace: Trace):
+    """Each request with the whole engine to itself, one after the other."""
+    runner = make_runner(MAX_CONTEXT // PAGE)
+    config = EngineConfig(page_size=PAGE, prefill_chunk=trace.prefill_chunk)
+    results = []
+    async with open_engine(config, runner, ByteTokenizer(), executor=VirtualTimeExecutor(runner)) as engine:
+        for arrival in trace.arrivals:
+            async with engine.submit(to_request(arrival)) as stream:
+                results.append((await stream.collect()).token_ids)
+    return results
+
+
+def check_one(arrival: Arrival, outcome: Outcome, alone: tuple[int, ...]):
+    if outcome.error is not None:
+        assert isinstance(outcome.error, Overloaded | QueueTimeout)
+        assert not outcome.events  # it never started
+        return
+    events = outcome.events
+    finished = [e for e in events if not isinstance(e, Started | TokenDelta)]
+    if not events:
+        assert arrival.cancel_after_s is not None  # left before it started
+        return
+    assert isinstance(events[0], Started) and sum(isinstance(e, Started) for e in events) == 1
+    tokens = [i for e in events if isinstance(e, TokenDelta) for i in e.token_ids]
+    if finished:
+        assert len(finished) == 1 and events[-1] is finished[0]
+        (done,) = finished
+        assert done.usage.completion_tokens == len(tokens)
+        if done.reason is FinishReason.LENGTH:
+            assert tuple(tokens) == alone
+            text = "".join(e.text for e in events if isinstance(e, TokenDelta))
+            assert text == ByteTokenizer().decode(tokens)
+            return
+        assert done.reason is FinishReason.CANCELLED
+    assert arrival.cancel_after_s is not None
+    assert tuple(tokens) == alone[: len(tokens)]
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=traces)
+def test_random_traces_keep_every_invariant(trace):
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    outcomes, stats = trio.run(run_trace, trace, clock=clock)
+    alone = trio.run(run_alone, trace, clock=trio.testing.MockClock(autojump_threshold=0))
+    for arrival, outcome, expected in zip(trace.arrivals, outcomes, alone):
+        check_one(arrival, outcome, expected)
+    assert stats.num_pages_used == 0 and stats.num_pages_free == trace.num_pages
+    assert stats.host_snapshot_bytes == 0
+    assert (stats.num_waiting, stats.num_running, stats.num_paused) == (0, 0, 0)
+    assert sum(stats.requests_by_outcome.values()) == len(trace.arrivals)
+    assert stats.num_snapshot_restores + stats.num_replay_restores <= stats.num_preemptions
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet="abST", max_size=30),
+    cuts=st.lists(st.integers(0, 30), max_size=10),
+    stops=st.lists(st.text(alphabet="abST", min_size=1, max_size=4), min_size=1, max_size=3),
+)
+def test_stop_strings_match_across_any_split(text, cuts, stops):
+    pieces, last = [], 0
+    for cut in sorted(set(c for c in cuts if c <= len(text))):
+        pieces.append(text[last:cut])
+        last = cut
+    pieces.append(text[last:])
+    matcher = StopStringMatcher(stops)
+    emitted, hit = "", None
+    for piece in pieces:
+        chunk = matcher.feed(piece)
+        emitted += chunk.text
+        if chunk.stop_sequence is not None:
+            hit = chunk.stop_sequence
+            break
+    else:
+        emitted += matcher.flush()
+    # The spec: generation stops after the first piece that makes the text contain a stop
+    # string, and the text is cut where the earliest occurrence starts.
+    seen = ""
+    for piece in pieces:
+        seen += piece
+        starts = [(seen.find(s), s) for s in stops if s in seen]
+        if starts:
+            start = min(index for index, _ in starts)
+            assert hit is not None and seen[start:].startswith(hit)
+            assert emitted == seen[:start]
+            return
+    assert hit is None and emitted == text

@@ -1,0 +1,118 @@
+"""The scheduler's invariants on the real numpy reference runner.
+
+A tiny random llama (2 layers, d 32) with the real SmolLM2 tokenizer's vocabulary, a KV pool of
+one max-length sequence, and a host budget that holds one small snapshot: concurrent requests
+must pause (both by snapshot and by replay) and still produce exactly the tokens each produces
+alone, greedy or seeded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from ninfer.gpu.reference import ReferenceRunner
+from ninfer.gpu.runner import SamplingParams
+from ninfer.models.spec import ModelSpec
+from ninfer.models.weights import ModelWeights, StoredTensor
+from ninfer.sched.config import EngineConfig
+from ninfer.sched.engine import open_engine
+from ninfer.sched.request import FinishReason, GenerationRequest, Started
+
+PAGE = 4
+MAX_CONTEXT = 48
+
+
+def tiny_model(vocab_size: int, seed: int = 0):
+    spec = ModelSpec(
+        arch="llama", num_layers=2, d_model=32, d_ffn=64, num_heads=4, num_kv_heads=2,
+        head_dim=8, vocab_size=vocab_size, max_context=MAX_CONTEXT, tie_embeddings=True,
+    )  # fmt: skip
+    rng = np.random.default_rng(seed)
+
+    def tensor(*shape, scale=0.3):
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return StoredTensor("F32", shape, data)
+
+    def ones(n):
+        return StoredTensor("F32", (n,), np.ones(n, np.float32))
+
+    tensors = {"embed": tensor(vocab_size, 32, scale=1.0), "final_norm": ones(32)}
+    for i in range(spec.num_layers):
+        tensors |= {
+            f"layers.{i}.attn_norm": ones(32), f"layers.{i}.ffn_norm": ones(32),
+            f"layers.{i}.wq": tensor(32, 32), f"layers.{i}.wk": tensor(16, 32),
+            f"layers.{i}.wv": tensor(16, 32), f"layers.{i}.wo": tensor(32, 32),
+            f"layers.{i}.w_gate": tensor(64, 32), f"layers.{i}.w_up": tensor(64, 32),
+            f"layers.{i}.w_down": tensor(32, 64),
+        }  # fmt: skip
+    return spec, ModelWeights(tensors, spec.num_layers)
+
+
+PROMPTS = [
+    "<|im_start|>user\nWhat is a page table?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village by the sea,",
+    "def fib(n):\n    return",
+    "Les pommes de terre sont",
+]
+
+
+def requests(tokenizer):
+    made = []
+    for index, text in enumerate(PROMPTS):
+        prompt = tuple(tokenizer.encode(text))
+        greedy = index % 2 == 0
+        sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams(temperature=0.9, top_p=0.95)
+        made.append(GenerationRequest(prompt_ids=prompt, max_tokens=MAX_CONTEXT - len(prompt) - 8,
+                                      sampling=sampling, seed=100 + index, request_id=f"r{index}"))  # fmt: skip
+    return made
+
+
+async def collect_all(engine, reqs):
+    results = [None] * len(reqs)
+
+    async def one(index, stream):
+        async with stream:
+            results[index] = await stream.collect()
+
+    async with trio.open_nursery() as nursery:
+        for index, req in enumerate(reqs):
+            nursery.start_soon(one, index, engine.submit(req))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    return smollm2.tokenizer
+
+
+async def test_pressure_on_the_reference_runner_changes_no_token(tokenizer, smollm2):
+    model = tiny_model(tokenizer.vocab_size)
+    reqs = requests(tokenizer)
+    stop_ids = ()  # random weights: let every request run to its length
+    alone_runner = ReferenceRunner(model, num_pages=MAX_CONTEXT // PAGE, page_size=PAGE)
+    alone = []
+    config = EngineConfig(page_size=PAGE, prefill_chunk=8)
+    async with open_engine(config, alone_runner, tokenizer, stop_token_ids=stop_ids) as engine:
+        for req in reqs:
+            (result,) = await collect_all(engine, [req])
+            alone.append(result)
+
+    runner = ReferenceRunner(model, num_pages=MAX_CONTEXT // PAGE, page_size=PAGE)
+    config = EngineConfig(page_size=PAGE, prefill_chunk=8, max_concurrency=4,
+                          host_snapshot_bytes=4 * runner.page_nbytes)  # fmt: skip
+    async with open_engine(config, runner, tokenizer, stop_token_ids=stop_ids) as engine:
+        together = await collect_all(engine, reqs)
+        stats = engine.statistics()
+        await trio.sleep(0)
+
+    assert stats.num_snapshot_restores >= 1 and stats.num_replay_restores >= 1
+    assert stats.num_replayed_tokens > 0
+    assert stats.num_pages_used == 0 and stats.host_snapshot_bytes == 0
+    assert stats.requests_by_outcome["length"] == len(reqs)
+    for req, got, expected in zip(reqs, together, alone):
+        assert isinstance(got.started, Started) and got.started.prompt_tokens == len(req.prompt_ids)
+        assert got.finished.reason is FinishReason.LENGTH
+        assert got.token_ids == expected.token_ids and len(got.token_ids) == req.max_tokens
+        assert got.text == expected.text == tokenizer.decode(list(got.token_ids))
