@@ -1,0 +1,372 @@
+"""The numpy reference backend: the oracle every other backend matches, and the CPU path.
+
+The forward is the plain dense decoder (llama / qwen2 / qwen3), computed in float32:
+
+    x = embed[token]
+    per layer:
+        h = rmsnorm(x) * attn_norm                      rmsnorm(x) = x / sqrt(mean(x^2) + eps)
+        q, k, v = h @ wq.T (+ bq), h @ wk.T (+ bk), h @ wv.T (+ bv)        per head of head_dim
+        q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm                    qwen3 only
+        q, k = rope(q, pos), rope(k, pos)    split-half: x * cos + rotate_half(x) * sin,
+                                             angle[pos, i] = pos * theta^(-2i / head_dim)
+        K/V of every new position are written into its page, then each row attends over
+        positions 0 .. its last (causal); query head h reads KV head h // group_size;
+        scores scaled by 1 / sqrt(head_dim), softmax in float32
+        x = x + attn @ wo.T
+        h = rmsnorm(x) * ffn_norm
+        x = x + (silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+    logits = (rmsnorm(x) * final_norm) @ head.T          only at rows' last positions
+
+All rows' tokens go through each linear as one [T, d] matmul (BLAS); only attention loops over
+rows. Weights are dequantized once at construction. The KV pool holds, per layer,
+`k[num_pages, page_size, num_kv_heads, head_dim]` and `v` alike; position p of a row lives in
+page `page_table[p // page_size]`, slot `p % page_size`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from ninfer.gpu import sampling
+from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
+from ninfer.models.spec import ModelSpec
+from ninfer.models.weights import ModelWeights
+
+
+@attrs.frozen(eq=False)
+class _Layer:
+    """One layer's float weights, each matrix transposed to [in, out] for `x @ w`."""
+
+    attn_norm: np.ndarray
+    w_qkv: np.ndarray  # [d_model, q_dim + 2 * kv_dim]: q, k, v fused into one matmul
+    b_qkv: np.ndarray | None
+    q_norm: np.ndarray | None
+    k_norm: np.ndarray | None
+    w_o: np.ndarray  # [q_dim, d_model]
+    ffn_norm: np.ndarray
+    w_gate_up: np.ndarray  # [d_model, 2 * d_ffn]: gate then up, fused
+    w_down: np.ndarray  # [d_ffn, d_model]
+
+
+@attrs.frozen(eq=False)
+class _Batch:
+    """Per-step indices shared by every layer."""
+
+    positions: np.ndarray  # int64 [T]: absolute position of each token
+    pages: np.ndarray  # int64 [T]: page holding each token's K/V
+    slots: np.ndarray  # int64 [T]: slot within that page
+    row_starts: np.ndarray  # int64 [num_rows + 1]: token offsets of each row in the batch
+    cos: np.ndarray  # [T, 1, head_dim // 2] RoPE cosines at each token's position
+    sin: np.ndarray
+    multi_rows: tuple[int, ...]  # rows with several new tokens: attended one row at a time
+    single_tokens: np.ndarray  # int64 [R]: batch index of each single-token row's token
+    single_tables: np.ndarray  # int64 [R, max pages]: their page tables, padded with page 0
+    single_lengths: np.ndarray  # int64 [R]: their context lengths (start_pos + 1)
+
+
+class ReferenceRunner:
+    """`Runner` on numpy: float32 weights, a preallocated paged KV pool, the reference sampler."""
+
+    def __init__(self, model, *, num_pages: int, page_size: int = 16, dtype=np.float32):
+        spec, weights = _spec_and_weights(model)
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
+        self.spec: ModelSpec = spec
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.dtype = np.dtype(dtype)
+        self._embed = weights["embed"].dequantize().astype(self.dtype, copy=False)
+        # Tied heads reuse the embedding ([vocab, d]); BLAS reads it transposed without a copy.
+        self._head = self._embed if spec.tie_embeddings else self._float(weights["lm_head"])
+        self._final_norm = self._float(weights["final_norm"])
+        self._layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
+        kv_shape = (spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+        self._k = np.zeros(kv_shape, dtype=self.dtype)
+        self._v = np.zeros(kv_shape, dtype=self.dtype)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one page holds over all layers (K and V)."""
+        return self.page_size * self.spec.kv_bytes_per_token(self.dtype.itemsize)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the float weights this runner reads per forward."""
+        arrays = [self._embed, self._final_norm, *([] if self._head is self._embed else [self._head])]
+        for layer in self._layers:
+            arrays += [a for a in attrs.astuple(layer, recurse=False) if a is not None]
+        return sum(int(a.nbytes) for a in arrays)
+
+    # -- the forward ---------------------------------------------------------------------
+
+    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """Run one forward over the batch; one result per row, None where row.sample is None."""
+        if not rows:
+            return []
+        batch = self._plan(rows)
+        tokens = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in rows])
+        x = self._embed[tokens]
+        for index, layer in enumerate(self._layers):
+            x = self._layer_forward(index, layer, x, rows, batch)
+        return self._sample(x, rows, batch)
+
+    def _layer_forward(self, index: int, layer: _Layer, x: np.ndarray, rows, batch: _Batch) -> np.ndarray:
+        spec = self.spec
+        num_tokens = x.shape[0]
+        # Attention block: fused q/k/v projection for every token of every row at once.
+        qkv = rms_norm(x, layer.attn_norm, spec.rms_eps) @ layer.w_qkv
+        if layer.b_qkv is not None:
+            qkv += layer.b_qkv
+        q = qkv[:, : spec.q_dim].reshape(num_tokens, spec.num_heads, spec.head_dim)
+        k = qkv[:, spec.q_dim : spec.q_dim + spec.kv_dim].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, spec.q_dim + spec.kv_dim :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if layer.q_norm is not None:  # qwen3: per-head RMSNorm before RoPE
+            q = rms_norm(q, layer.q_norm, spec.rms_eps)
+            k = rms_norm(k, layer.k_norm, spec.rms_eps)
+        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
+        self._k[index, batch.pages, batch.slots] = k
+        self._v[index, batch.pages, batch.slots] = v
+        attn = np.empty((num_tokens, spec.q_dim), dtype=self.dtype)
+        for r in batch.multi_rows:
+            lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+            attn[lo:hi] = self._attend(index, rows[r], q[lo:hi])
+        if batch.single_tokens.size:
+            attn[batch.single_tokens] = self._attend_singles(index, q[batch.single_tokens], batch)
+        x = x + attn @ layer.w_o
+        # Feed-forward block: SwiGLU.
+        gate_up = rms_norm(x, layer.ffn_norm, spec.rms_eps) @ layer.w_gate_up
+        gate, up = gate_up[:, : spec.d_ffn], gate_up[:, spec.d_ffn :]
+        return x + (silu(gate) * up) @ layer.w_down
+
+    def _attend(self, index: int, row: StepRow, q: np.ndarray) -> np.ndarray:
+        """Causal GQA attention of one row's queries [n, H, hd] over its pages -> [n, H * hd]."""
+        spec = self.spec
+        num_new = q.shape[0]
+        num_ctx = row.start_pos + num_new
+        page_ids = np.asarray(row.page_table[: -(-num_ctx // self.page_size)], dtype=np.int64)
+        keys = self._k[index, page_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_ctx]
+        values = self._v[index, page_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_ctx]
+        # [KV, G * n, hd]: query head h = kv * G + g shares KV head kv = h // G.
+        q_grouped = q.reshape(num_new, spec.num_kv_heads, spec.group_size, spec.head_dim)
+        q_grouped = q_grouped.transpose(1, 2, 0, 3).reshape(spec.num_kv_heads, -1, spec.head_dim)
+        scores = q_grouped @ keys.transpose(1, 2, 0)  # [KV, G * n, num_ctx]
+        scores *= np.float32(1.0 / np.sqrt(spec.head_dim))
+        scores = scores.reshape(spec.num_kv_heads, spec.group_size, num_new, num_ctx)
+        # New token i sits at position start_pos + i and sees keys 0 .. start_pos + i.
+        future = np.arange(num_ctx)[None, :] > (row.start_pos + np.arange(num_new))[:, None]
+        scores[..., future] = -np.inf
+        probs = softmax(scores)
+        out = probs.reshape(spec.num_kv_heads, -1, num_ctx) @ values.transpose(1, 0, 2)  # [KV, G*n, hd]
+        out = out.reshape(spec.num_kv_heads, spec.group_size, num_new, spec.head_dim)
+        return out.transpose(2, 0, 1, 3).reshape(num_new, spec.q_dim)
+
+    def _attend_singles(self, index: int, q: np.ndarray, batch: _Batch) -> np.ndarray:
+        """Attention of single-token rows (decode), batched: queries [R, H, hd] -> [R, H * hd].
+
+        Each row's context is gathered from its pages into one [R, S, KV, hd] block padded to
+        the longest; positions past a row's length are masked out.
+        """
+        spec = self.spec
+        num_rows = q.shape[0]
+        shape = (num_rows, -1, spec.num_kv_heads, spec.head_dim)
+        keys = self._k[index, batch.single_tables].reshape(shape)  # [R, S, KV, hd]
+        values = self._v[index, batch.single_tables].reshape(shape)
+        q_grouped = q.reshape(num_rows, spec.num_kv_heads, spec.group_size, spec.head_dim)
+        scores = q_grouped @ keys.transpose(0, 2, 3, 1)  # [R, KV, G, S]
+        scores *= np.float32(1.0 / np.sqrt(spec.head_dim))
+        padding = np.arange(keys.shape[1])[None, :] >= batch.single_lengths[:, None]  # [R, S]
+        scores = np.where(padding[:, None, None, :], np.float32(-np.inf), scores)
+        out = softmax(scores) @ values.transpose(0, 2, 1, 3)  # [R, KV, G, hd]
+        return out.reshape(num_rows, spec.q_dim)
+
+    def _sample(self, x: np.ndarray, rows: Sequence[StepRow], batch: _Batch) -> list[SampledToken | None]:
+        wanted = [r for r, row in enumerate(rows) if row.sample is not None]
+        results: list[SampledToken | None] = [None] * len(rows)
+        if not wanted:
+            return results
+        logits = self._head_logits(x[batch.row_starts[1:][wanted] - 1])
+        for r, row_logits in zip(wanted, logits, strict=True):
+            results[r] = sampling.sample(row_logits, rows[r].sample)
+        return results
+
+    def _head_logits(self, x_last: np.ndarray) -> np.ndarray:
+        hidden = rms_norm(x_last, self._final_norm, self.spec.rms_eps)
+        return (hidden @ self._head.T).astype(np.float32, copy=False)
+
+    def _plan(self, rows: Sequence[StepRow]) -> _Batch:
+        """Positions, page slots and RoPE angles of every new token, checked against the pool."""
+        positions, pages = [], []
+        for row in rows:
+            num_ctx = row.start_pos + len(row.token_ids)
+            table = np.asarray(row.page_table, dtype=np.int64)
+            if len(row.token_ids) < 1:
+                raise ValueError(f"row of sequence {row.seq_id} has no tokens")
+            if table.shape[0] * self.page_size < num_ctx:
+                raise ValueError(f"sequence {row.seq_id}: {table.shape[0]} pages cannot hold {num_ctx} positions")
+            positions.append(np.arange(row.start_pos, num_ctx, dtype=np.int64))
+            pages.append(table[positions[-1] // self.page_size])
+        all_positions = np.concatenate(positions)
+        if all_positions.max() >= self.spec.max_context:
+            raise ValueError(f"position {all_positions.max()} is past the context limit {self.spec.max_context}")
+        row_starts = np.concatenate([[0], np.cumsum([len(r.token_ids) for r in rows])]).astype(np.int64)
+        cos, sin = rope_angles(self.spec, all_positions, self.dtype)
+        singles = [r for r, row in enumerate(rows) if len(row.token_ids) == 1]
+        tables, lengths = self._padded_tables([rows[r] for r in singles])
+        return _Batch(
+            positions=all_positions,
+            pages=np.concatenate(pages),
+            slots=all_positions % self.page_size,
+            row_starts=row_starts,
+            cos=cos[:, None],
+            sin=sin[:, None],
+            multi_rows=tuple(r for r, row in enumerate(rows) if len(row.token_ids) > 1),
+            single_tokens=row_starts[singles],
+            single_tables=tables,
+            single_lengths=lengths,
+        )
+
+    def _padded_tables(self, rows: Sequence[StepRow]) -> tuple[np.ndarray, np.ndarray]:
+        """Page tables of single-token rows as one [R, max pages] array, and context lengths."""
+        lengths = np.array([row.start_pos + 1 for row in rows], dtype=np.int64)
+        num_pages = -(-lengths // self.page_size)
+        tables = np.zeros((len(rows), int(num_pages.max(initial=0))), dtype=np.int64)
+        for i, row in enumerate(rows):
+            tables[i, : num_pages[i]] = row.page_table[: num_pages[i]]
+        return tables, lengths
+
+    # -- KV pages ------------------------------------------------------------------------
+
+    def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
+        """Copy the pages' KV to host memory."""
+        ids = np.asarray(page_ids, dtype=np.int64)
+        return PageSnapshot((self._k[:, ids].copy(), self._v[:, ids].copy()))
+
+    def restore_pages(self, page_ids: Sequence[int], snapshot: PageSnapshot) -> None:
+        """Write a snapshot back into (possibly different) pages, in the same order."""
+        ids = np.asarray(page_ids, dtype=np.int64)
+        k, v = snapshot.arrays
+        if k.shape[1] != ids.shape[0]:
+            raise ValueError(f"snapshot holds {k.shape[1]} pages, restore asked for {ids.shape[0]}")
+        self._k[:, ids] = k
+        self._v[:, ids] = v
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy whole pages src[i] -> dst[i] (copy-on-write of a shared tail page)."""
+        src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_pages got {src.shape[0]} sources and {dst.shape[0]} destinations")
+        self._k[:, dst] = self._k[:, src]
+        self._v[:, dst] = self._v[:, src]
+
+    def close(self) -> None:
+        """Drop the KV pool and weights (numpy frees them with the last reference)."""
+        self._k = self._v = np.zeros((0,), dtype=self.dtype)
+        self._layers = []
+
+    # -- construction --------------------------------------------------------------------
+
+    def _float(self, tensor) -> np.ndarray:
+        return tensor.dequantize().astype(self.dtype, copy=False)
+
+    def _transposed(self, *tensors) -> np.ndarray:
+        return np.ascontiguousarray(np.concatenate([self._float(t) for t in tensors], axis=0).T)
+
+    def _load_layer(self, weights: ModelWeights, i: int) -> _Layer:
+        def get(name: str):
+            tensor = weights.layer(i, name)
+            if tensor is None:
+                raise ValueError(f"{self.spec.arch} weights lack layers.{i}.{name}")
+            return tensor
+
+        has_bias = self.spec.has_qkv_bias
+        return _Layer(
+            attn_norm=self._float(get("attn_norm")),
+            w_qkv=self._transposed(get("wq"), get("wk"), get("wv")),
+            b_qkv=np.concatenate([self._float(get(b)) for b in ("bq", "bk", "bv")]) if has_bias else None,
+            q_norm=self._float(get("q_norm")) if self.spec.has_qk_norm else None,
+            k_norm=self._float(get("k_norm")) if self.spec.has_qk_norm else None,
+            w_o=self._transposed(get("wo")),
+            ffn_norm=self._float(get("ffn_norm")),
+            w_gate_up=self._transposed(get("w_gate"), get("w_up")),
+            w_down=self._transposed(get("w_down")),
+        )
+
+
+# -- the math, shared with tests and other backends' oracles ---------------------------------
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis."""
+    mean_sq = np.mean(np.square(x), axis=-1, keepdims=True)
+    return x * (1.0 / np.sqrt(mean_sq + np.float32(eps))).astype(x.dtype) * weight
+
+
+def rope_angles(spec: ModelSpec, positions: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [len(positions), head_dim // 2] of pos * theta^(-2i / head_dim).
+
+    Angles are computed in float64 and rounded once, so long positions lose no precision.
+    """
+    inv_freq = spec.rope_theta ** (-np.arange(0, spec.head_dim, 2, dtype=np.float64) / spec.head_dim)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Split-half RoPE: first half a, second half b -> (a cos - b sin, b cos + a sin)."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis (rows of all -inf do not occur: a query sees itself)."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x)."""
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x: silu -> -0
+        return x / (1.0 + np.exp(-x))
+
+
+def kv_capacity_auto(
+    spec: ModelSpec,
+    *,
+    page_size: int = 16,
+    dtype=np.float32,
+    budget_bytes: int | None = None,
+    memory_fraction: float = 0.25,
+    max_pages: int | None = None,
+) -> int:
+    """KV pages that fit a host-memory budget.
+
+    The budget is `budget_bytes`, or `memory_fraction` of the host memory available now. The
+    result is capped at `max_pages` and at what one full-context sequence per 64 lanes could use.
+    """
+    if budget_bytes is None:
+        budget_bytes = int(memory_fraction * _available_host_bytes())
+    page_bytes = page_size * spec.kv_bytes_per_token(np.dtype(dtype).itemsize)
+    num_pages = budget_bytes // page_bytes
+    if num_pages < 1:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_bytes} bytes")
+    cap = 64 * -(-spec.max_context // page_size)
+    return int(min(num_pages, cap, max_pages or cap))
+
+
+def _available_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30  # platforms without sysconf: assume a modest 4 GiB
+
+
+def _spec_and_weights(model) -> tuple[ModelSpec, ModelWeights]:
+    if isinstance(model, tuple):
+        spec, weights = model
+        return spec, weights
+    return model.spec, model.weights

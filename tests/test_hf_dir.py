@@ -1,0 +1,194 @@
+"""Loading Hugging Face directories saved by `transformers` itself (tiny random models)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ninfer.models.hf_dir import load_hf_dir, read_json, spec_from_config
+from ninfer.models.loaded import ModelLoadError
+from ninfer.models.loader import load_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0,
+)  # fmt: skip
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def build_tiny_dir(path: Path, arch: str, *, seed: int = 0, dtype=None, **overrides):
+    """Save a seeded random `arch` model plus a word-level tokenizer into `path`.
+
+    Norm weights and biases are perturbed away from their 1 / 0 initial values, so a loader or
+    forward that drops them is caught. Returns the float32 torch model (eval mode).
+    """
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    }
+    config_cls, model_cls, extra = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**(TINY | extra | overrides))).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return model.float()
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)} | {f"t{i}": i for i in range(len(SPECIALS), vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "<|im_end|>"}, "chat_template": TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    build_tiny_dir(tmp_path, "llama")
+    return tmp_path
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_loads_spec_and_every_weight_as_transformers_holds_it(tmp_path, arch):
+    model = build_tiny_dir(tmp_path, arch)
+    loaded = load_model(tmp_path)
+    spec = loaded.spec
+    assert (loaded.file_format, loaded.name, spec.arch) == ("hf", tmp_path.name, arch)
+    assert (spec.num_layers, spec.d_model, spec.d_ffn, spec.num_heads, spec.num_kv_heads) == (2, 64, 128, 4, 2)
+    assert (spec.vocab_size, spec.max_context, spec.rope_theta) == (300, 256, 5000.0)
+    assert spec.head_dim == 16 and spec.has_qkv_bias == (arch == "qwen2") and spec.has_qk_norm == (arch == "qwen3")
+    state = model.state_dict()
+    layer = model.model.layers[1]
+    pairs = {
+        "embed": model.model.embed_tokens.weight, "lm_head": model.lm_head.weight,
+        "final_norm": model.model.norm.weight, "layers.1.wq": layer.self_attn.q_proj.weight,
+        "layers.1.wo": layer.self_attn.o_proj.weight, "layers.1.w_down": layer.mlp.down_proj.weight,
+        "layers.1.ffn_norm": layer.post_attention_layernorm.weight,
+    }  # fmt: skip
+    if arch == "qwen2":
+        pairs["layers.1.bk"] = layer.self_attn.k_proj.bias
+    if arch == "qwen3":
+        pairs["layers.1.q_norm"] = layer.self_attn.q_norm.weight
+    for name, tensor in pairs.items():
+        np.testing.assert_array_equal(loaded.weights[name].dequantize(), tensor.detach().numpy(), err_msg=name)
+    assert len(loaded.weights) == len([k for k in state if "rotary" not in k])
+
+
+def test_bf16_weights_stay_bf16_bits_and_dequantize_exactly(tmp_path):
+    model = build_tiny_dir(tmp_path, "qwen3", dtype=torch.bfloat16)
+    loaded = load_hf_dir(tmp_path)
+    wq = loaded.weights["layers.0.wq"]
+    assert wq.qtype == "BF16" and wq.data.dtype == np.uint16
+    assert wq.nbytes == wq.shape[0] * wq.shape[1] * 2
+    # model.float() after the bf16 cast holds exactly the bf16 values, widened.
+    expected = model.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    np.testing.assert_array_equal(wq.dequantize(), expected)
+
+
+def test_sharded_checkpoint_loads_every_shard(tmp_path):
+    model = build_tiny_dir(tmp_path / "one", "llama")
+    model.save_pretrained(tmp_path / "many", max_shard_size="40KB")
+    write_tokenizer(tmp_path / "many", 300)
+    assert (tmp_path / "many" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
+    one, many = load_hf_dir(tmp_path / "one"), load_hf_dir(tmp_path / "many")
+    assert set(one.weights) == set(many.weights)
+    for name in one.weights:
+        np.testing.assert_array_equal(one.weights[name].dequantize(), many.weights[name].dequantize())
+
+
+def test_tied_embeddings_have_no_separate_head(tmp_path):
+    build_tiny_dir(tmp_path, "qwen2", tie_word_embeddings=True)
+    loaded = load_hf_dir(tmp_path)
+    assert loaded.spec.tie_embeddings and "lm_head" not in loaded.weights
+    assert loaded.weights.head() is loaded.weights["embed"]
+
+
+def test_tokenizer_chat_template_and_stop_ids(llama_dir):
+    (llama_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    loaded = load_hf_dir(llama_dir)
+    assert loaded.tokenizer.encode("t7 t42 <|im_end|>") == [7, 42, 3]
+    assert {2, 3} <= set(loaded.stop_token_ids)
+    assert loaded.chat_template.render([{"role": "user", "content": "hi"}]).startswith("user: hi")
+
+
+def test_rope_theta_read_from_legacy_top_level_key(llama_dir):
+    edit_config(llama_dir, rope_parameters=None, rope_theta=12345.0)
+    assert load_hf_dir(llama_dir).spec.rope_theta == 12345.0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope scaling 'yarn'"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "ninfer runs llama, qwen2 and qwen3"),
+        ({"hidden_act": "gelu"}, "activation 'gelu'"),
+        ({"mlp_bias": True}, "biases"),
+        ({"use_sliding_window": True}, "sliding-window"),
+        ({"num_hidden_layers": 3}, "lacks the weights of layers.2"),
+        ({"intermediate_size": 96}, "has shape"),
+    ],
+)
+def test_unsupported_or_inconsistent_configs_are_clear_errors(llama_dir, changes, message):
+    edit_config(llama_dir, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        load_hf_dir(llama_dir)
+
+
+@pytest.mark.parametrize("missing", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_missing_files_are_one_sentence_errors(llama_dir, missing):
+    (llama_dir / missing).unlink()
+    with pytest.raises(ModelLoadError) as info:
+        load_hf_dir(llama_dir)
+    message = str(info.value)
+    assert str(llama_dir) in message and "\n" not in message
+
+
+def test_missing_shard_and_corrupt_files_are_errors(tmp_path):
+    build_tiny_dir(tmp_path, "llama")
+    shutil.copy(tmp_path / "model.safetensors", tmp_path / "broken.safetensors")
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        load_hf_dir(tmp_path)
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="missing shard model-00001-of-00002"):
+        load_hf_dir(tmp_path)
+
+
+def test_spec_from_config_defaults_head_dim_and_kv_heads():
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 96, "num_attention_heads": 6,
+              "num_hidden_layers": 1, "intermediate_size": 128, "vocab_size": 10}  # fmt: skip
+    spec = spec_from_config(config)
+    assert (spec.head_dim, spec.num_kv_heads, spec.rope_theta, spec.max_context) == (16, 6, 10000.0, 2048)
+    assert read_json(Path("/nonexistent/config.json"), required=False) is None
