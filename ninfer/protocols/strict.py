@@ -7,6 +7,7 @@ errors become one `WireFormatError` whose `param` is the dotted path of the firs
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Any
 
@@ -71,6 +72,40 @@ def _literal(value, type_):
     return value
 
 
+def _dict_hook(converter: cattrs.Converter):
+    def hook(value, type_):
+        if not isinstance(value, dict):
+            raise WireFormatError(f"expected an object, got {_json_kind(value)}")
+        key_type, value_type = typing.get_args(type_) or (Any, Any)
+        return {
+            converter.structure(k, key_type): converter.structure(v, value_type) for k, v in value.items()
+        }
+
+    return hook
+
+
+def _is_text_or_list(type_: Any) -> bool:
+    """`str | list[X]` (optionally `| None`): the wire's "string shorthand or parts" fields."""
+    args = typing.get_args(type_)
+    if typing.get_origin(type_) not in (typing.Union, types.UnionType) or str not in args:
+        return False
+    rest = [a for a in args if a not in (str, type(None))]
+    return len(rest) == 1 and typing.get_origin(rest[0]) is list
+
+
+def _text_or_list_hook(converter: cattrs.Converter):
+    def hook(value, type_):
+        args = typing.get_args(type_)
+        if isinstance(value, str) or (value is None and type(None) in args):
+            return value
+        if not isinstance(value, list):
+            raise WireFormatError(f"expected a string or an array, got {_json_kind(value)}")
+        (list_type,) = [a for a in args if a not in (str, type(None))]
+        return converter.structure(value, list_type)
+
+    return hook
+
+
 def _list_hook(converter: cattrs.Converter):
     def hook(value, type_):
         # cattrs would iterate a string character by character.
@@ -95,30 +130,39 @@ def make_converter() -> cattrs.Converter:
     converter = cattrs.Converter(forbid_extra_keys=True, omit_if_default=False)
     for kind in (str, int, float, bool):
         converter.register_structure_hook(kind, _strict_scalar(kind))
+    converter.register_structure_hook_func(lambda t: typing.get_origin(t) is dict, _dict_hook(converter))
     converter.register_structure_hook_func(lambda t: t == JsonObject, _json_object)
     converter.register_structure_hook_func(lambda t: typing.get_origin(t) is typing.Literal, _literal)
     converter.register_structure_hook_func(lambda t: typing.get_origin(t) is list, _list_hook(converter))
+    converter.register_structure_hook_func(_is_text_or_list, _text_or_list_hook(converter))
     return converter
 
 
-def register_tagged_union(converter: cattrs.Converter, union: Any, what: str) -> None:
-    """Structure `union` (attrs classes with a defaulted Literal `type`) by its "type" key."""
-    by_tag = {_tag_of(cls): cls for cls in typing.get_args(union)}
+def register_tagged_union(
+    converter: cattrs.Converter, union: Any, what: str, *, default_tag: str | None = None
+) -> None:
+    """Structure `union` (attrs classes with a defaulted Literal `type`) by its "type" key.
+
+    `default_tag` is the member an object without "type" is taken as (the wire's shorthand).
+    """
+    members = typing.get_args(union) or (union,)
+    # Each member's own hook, taken before ours replaces a single-class "union".
+    by_tag = {_tag_of(cls): converter.get_structure_hook(cls) for cls in members}
 
     def hook(value, _type):
         if not isinstance(value, dict):
             raise WireFormatError(f"expected {what} object, got {_json_kind(value)}")
-        tag = value.get("type")
+        tag = value.get("type", default_tag)
         if tag not in by_tag:
             known = ", ".join(repr(t) for t in by_tag)
             raise WireFormatError(f"unknown {what} type {tag!r}; expected one of {known}")
-        return converter.structure(value, by_tag[tag])
+        return by_tag[tag](value, _type)
 
     converter.register_structure_hook(union, hook)
 
 
 def _tag_of(cls: type) -> str:
-    (tag,) = typing.get_args(attrs.fields_dict(cls)["type"].type)
+    (tag,) = typing.get_args(typing.get_type_hints(cls)["type"])
     return tag
 
 
@@ -182,7 +226,7 @@ def between(lo: float | None, hi: float | None):
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
             raise WireFormatError(
-                f"{attribute.name} must be {bounds}, got {value}", path=(attribute.name,)
+                f"must be {bounds}, got {value}", path=(attribute.name,)
             )
 
     return check

@@ -1,0 +1,127 @@
+"""Error shapes of the OpenAI and Anthropic APIs, and the status each kind of failure gets.
+
+One `ApiError(kind, message, param, code)` describes a failure independent of the API; each
+API renders it in its own shape:
+
+- OpenAI:    `{"error": {"message", "type", "param", "code"}}`
+- Anthropic: `{"type": "error", "error": {"type", "message"}}`
+
+| kind              | OpenAI status / type               | Anthropic status / type      |
+| ----------------- | ---------------------------------- | ---------------------------- |
+| invalid_request   | 400 invalid_request_error          | 400 invalid_request_error    |
+| authentication    | 401 invalid_request_error          | 401 authentication_error     |
+|                   |     (code invalid_api_key)         |                              |
+| not_found         | 404 invalid_request_error          | 404 not_found_error          |
+| method_not_allowed| 405 invalid_request_error          | 405 invalid_request_error    |
+| request_too_large | 413 invalid_request_error          | 413 request_too_large        |
+| overloaded        | 429 rate_limit_error               | 529 overloaded_error         |
+| unavailable       | 503 service_unavailable_error      | 503 overloaded_error         |
+| internal          | 500 server_error                   | 500 api_error                |
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+
+class ErrorKind(enum.Enum):
+    INVALID_REQUEST = "invalid_request"
+    AUTHENTICATION = "authentication"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TOO_LARGE = "request_too_large"
+    OVERLOADED = "overloaded"  # the pending queue is full
+    UNAVAILABLE = "unavailable"  # queue timeout, or the engine is unhealthy
+    INTERNAL = "internal"
+
+
+_OPENAI = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.AUTHENTICATION: (401, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+
+_ANTHROPIC = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.AUTHENTICATION: (401, "authentication_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.REQUEST_TOO_LARGE: (413, "request_too_large"),
+    ErrorKind.OVERLOADED: (529, "overloaded_error"),
+    ErrorKind.UNAVAILABLE: (503, "overloaded_error"),
+    ErrorKind.INTERNAL: (500, "api_error"),
+}
+
+_DEFAULT_CODES = {
+    ErrorKind.AUTHENTICATION: "invalid_api_key",
+    ErrorKind.NOT_FOUND: "not_found",
+    ErrorKind.REQUEST_TOO_LARGE: "request_too_large",
+    ErrorKind.OVERLOADED: "overloaded",
+    ErrorKind.UNAVAILABLE: "service_unavailable",
+}
+
+
+@attrs.frozen
+class ApiError(Exception):
+    """A failure to report to the client, in whichever API shape the route speaks."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def openai(self) -> tuple[int, dict[str, Any]]:
+        """(status, body) in the OpenAI shape."""
+        status, type_ = _OPENAI[self.kind]
+        body = {"message": self.message, "type": type_, "param": self.param,
+                "code": self.code or _DEFAULT_CODES.get(self.kind)}  # fmt: skip
+        return status, {"error": body}
+
+    def anthropic(self) -> tuple[int, dict[str, Any]]:
+        """(status, body) in the Anthropic shape."""
+        status, type_ = _ANTHROPIC[self.kind]
+        return status, {"type": "error", "error": {"type": type_, "message": self.message}}
+
+
+def error_from_exception(exc: BaseException) -> ApiError:
+    """The ApiError for any exception a request handler lets escape.
+
+    Known client and engine errors get their own kind; anything else is INTERNAL with a
+    generic message (the handler logs the traceback; the client never sees internals).
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    from ninfer.protocols.strict import WireFormatError
+    from ninfer.sched import request as engine
+    from ninfer.sched.request import EngineUnhealthy, Overloaded, QueueTimeout, RequestTooLarge
+    from ninfer.server.calls import InvalidRequest, ModelNotFound
+
+    if isinstance(exc, ModelNotFound):
+        return ApiError(ErrorKind.NOT_FOUND, exc.message, exc.param, exc.code)
+    if isinstance(exc, InvalidRequest):
+        return ApiError(ErrorKind.INVALID_REQUEST, exc.message, exc.param, exc.code)
+    if isinstance(exc, WireFormatError):
+        return ApiError(ErrorKind.INVALID_REQUEST, exc.message, exc.param, "invalid_value")
+    if isinstance(exc, Overloaded):
+        return ApiError(ErrorKind.OVERLOADED, f"The server is busy: {exc or 'the request queue is full'}. Retry later.")
+    if isinstance(exc, QueueTimeout):
+        return ApiError(ErrorKind.UNAVAILABLE, f"The request waited too long for a free slot: {exc}", code="queue_timeout")
+    if isinstance(exc, EngineUnhealthy):
+        return ApiError(ErrorKind.UNAVAILABLE, f"The inference engine is unavailable: {exc}", code="engine_unhealthy")
+    engine_invalid = getattr(engine, "InvalidRequest", None)
+    if engine_invalid is not None and isinstance(exc, engine_invalid):
+        return ApiError(ErrorKind.INVALID_REQUEST, str(exc), "prompt")
+    if isinstance(exc, RequestTooLarge):
+        return ApiError(ErrorKind.INVALID_REQUEST, str(exc), "messages", "context_length_exceeded")
+    return ApiError(ErrorKind.INTERNAL, "The server had an internal error while processing the request.")

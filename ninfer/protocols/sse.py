@@ -1,0 +1,36 @@
+"""Server-sent events framing (https://html.spec.whatwg.org/multipage/server-sent-events.html).
+
+An event is `event: NAME` (optional) and `data: ...` lines ended by a blank line; a line that
+starts with `:` is a comment, which clients ignore and proxies see as traffic (keep-alive).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # ask nginx-style proxies not to buffer the stream
+}
+
+DONE = b"data: [DONE]\n\n"  # OpenAI's end-of-stream marker
+
+
+def encode_json(data: Any) -> str:
+    """Compact JSON, UTF-8 kept as is."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse_event(data: Any, event: str | None = None) -> bytes:
+    """One event; `data` is JSON-encoded unless it already is a string."""
+    text = data if isinstance(data, str) else encode_json(data)
+    lines = [f"event: {event}"] if event else []
+    lines.extend(f"data: {line}" for line in text.split("\n"))
+    return ("\n".join(lines) + "\n\n").encode("utf-8")
+
+
+def sse_comment(text: str = "keep-alive") -> bytes:
+    """A comment line: keeps idle connections (and proxies) from timing out."""
+    return "".join(f": {line}\n" for line in text.split("\n")).encode("utf-8") + b"\n"

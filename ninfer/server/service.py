@@ -1,0 +1,308 @@
+"""The generation service: one protocol-neutral layer between every HTTP API and the engine.
+
+Usage (inside `serve`, which owns the engine)::
+
+    async with open_service(engine, model, max_context=4096) as service:
+        stream = await service.start_chat(ChatCall(messages=({"role": "user", "content": "Hi"},)))
+        async with stream:
+            async for event in stream:   # CallStarted, TextDelta / ToolCallDelta..., CallFinished
+                ...                       # Idle whenever nothing happened for keepalive_s
+        result = await service.chat(call)  # or: the whole answer at once (a CallResult)
+
+What it does for a call (records in `ninfer.server.calls`):
+
+- renders `messages` (+ `tools` unless tool_choice is "none") through the model's chat
+  template and tokenizes them; `count_tokens(call)` returns that length;
+- fills omitted sampler knobs and `max_tokens` from the server defaults (`ServiceDefaults`),
+  `max_tokens` capped to the context left when it was not given;
+- builds a grammar constraint for `response_format` json_object / json_schema and for
+  tool_choice "required" or {"name": ...} (Hermes tool-call JSON for a declared tool whose
+  arguments match its schema);
+- with tools and tool_choice other than "none", parses Hermes `<tool_call>` blocks out of the
+  text into `ToolCallDelta`s; the finish reason becomes "tool_calls" when any were made.
+
+Errors: `start_*` raise `InvalidRequest` (message, param, code; `ModelNotFound` is one),
+or the engine's `Overloaded`, `RequestTooLarge`, `EngineUnhealthy` — all before any event. A
+request that times out in the queue raises `QueueTimeout` from the iterator before
+`CallStarted`; an engine failure mid-answer ends with `CallFinished(reason="error")`.
+Leaving the stream (or `aclose()`, or cancelling the consumer) cancels the request.
+
+Each stream's engine events are pumped by a task in the service's own nursery into a memory
+channel, so the consumer can wait with a timeout (for `Idle`) without ever cancelling a call
+into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+import attrs
+import trio
+
+from ninfer.gpu.runner import SamplingParams
+from ninfer.protocols.tool_calls import END_TAG
+from ninfer.sched.request import EngineError, GenerationRequest
+from ninfer.server.calls import (
+    CallResult, CallStarted, ChatCall, CompletionCall, InvalidRequest, ModelNotFound,
+    SamplingOptions, TextDelta, ToolCall, ToolCallDelta, CallFinished,
+)  # fmt: skip
+from ninfer.server.chat_prompt import (
+    build_constraint, render_chat, tool_specs, uses_tool_parser, validate_tool_choice,
+)  # fmt: skip
+from ninfer.server.event_stream import CallObserver, EventStream, pump_events
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_SIZE = 256
+
+
+@attrs.frozen(kw_only=True)
+class ServiceDefaults:
+    """Process-level defaults applied when a request omits a field."""
+
+    max_tokens: int | None = None  # None: up to the context limit
+    sampling: SamplingParams = SamplingParams()
+
+
+class GenerationService:
+    """Created by `open_service`; every method is safe to call from any request handler."""
+
+    def __init__(self, engine, model, nursery: trio.Nursery, *, model_id: str, max_context: int,
+                 defaults: ServiceDefaults, grammar, keepalive_s: float,
+                 observer: CallObserver | None):  # fmt: skip
+        self.engine = engine
+        self.model = model
+        self.model_id = model_id
+        self.max_context = max_context
+        self.defaults = defaults
+        self.grammar = grammar  # GrammarCompiler, or None when llguidance cannot load it
+        self.keepalive_s = keepalive_s
+        self.observer = observer
+        self.created_s = int(time.time())  # the model's "created" in /v1/models
+        self._nursery = nursery
+
+    # ---- model, tokens ----------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return bool(getattr(self.engine, "is_healthy", True))
+
+    def statistics(self):
+        return self.engine.statistics()
+
+    def check_model(self, name: str | None) -> None:
+        """Raise ModelNotFound unless `name` is this server's model (its id or file name)."""
+        if name is not None and name not in (self.model_id, self.model.name):
+            raise ModelNotFound(name, self.model_id)
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        self._check_token_ids(token_ids, "tokens")
+        return self.model.tokenizer.decode(list(token_ids))
+
+    def chat_prompt_ids(self, call: ChatCall) -> list[int]:
+        """The token ids the model sees for this chat call."""
+        validate_tool_choice(call)
+        text = render_chat(self.model, call)
+        return self.tokenize(text)
+
+    def count_tokens(self, call: ChatCall) -> int:
+        return len(self.chat_prompt_ids(call))
+
+    def token_text(self, token_id: int) -> str:
+        return self.model.tokenizer.decode([int(token_id)])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Exact bytes of one token (llguidance's view works for every vocabulary kind)."""
+        if self.grammar is not None:
+            return self.grammar.token_bytes(token_id)
+        exact = getattr(self.model.tokenizer, "token_bytes", None)
+        return exact(int(token_id)) if exact else self.token_text(token_id).encode("utf-8")
+
+    # ---- generation ------------------------------------------------------------------
+
+    async def start_chat(self, call: ChatCall) -> EventStream:
+        """Validate, render and submit a chat call; the returned stream yields its events."""
+        prompt_ids = self.chat_prompt_ids(call)
+        constraint = None
+        if self._needs_grammar(call):
+            compiler = self._require_grammar()
+            constraint = await trio.to_thread.run_sync(build_constraint, compiler, call)
+        stop = call.stop
+        parse_tools = uses_tool_parser(call)
+        if parse_tools and not call.parallel_tool_calls and constraint is None:
+            stop = (*stop, END_TAG)  # one call only: end the answer at its closing tag
+        request = self._request(
+            prompt_ids, call.max_tokens, call.sampling, stop=stop, seed=call.seed,
+            logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=constraint,
+            cache_salt=call.cache_salt, request_id=call.request_id,
+        )  # fmt: skip
+        return await self._start(request, parse_tools=parse_tools)
+
+    async def start_completion(self, call: CompletionCall) -> EventStream:
+        """Submit a raw-text (or token-id) completion; no template, no tools."""
+        if isinstance(call.prompt, str):
+            prompt_ids = self.tokenize(call.prompt, add_special_tokens=True)
+        else:
+            prompt_ids = list(call.prompt)
+            self._check_token_ids(prompt_ids, "prompt")
+        if not prompt_ids:
+            raise InvalidRequest("The prompt must not be empty.", "prompt")
+        request = self._request(
+            prompt_ids, call.max_tokens, call.sampling, stop=call.stop, seed=call.seed,
+            logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=None,
+            cache_salt=call.cache_salt, request_id=call.request_id,
+        )  # fmt: skip
+        return await self._start(request, parse_tools=False)
+
+    async def chat(self, call: ChatCall) -> CallResult:
+        """The whole answer of a chat call (non-streaming APIs)."""
+        async with await self.start_chat(call) as stream:
+            return await collect(stream)
+
+    async def complete(self, call: CompletionCall) -> CallResult:
+        async with await self.start_completion(call) as stream:
+            return await collect(stream)
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _needs_grammar(self, call: ChatCall) -> bool:
+        forced_tool = call.tools and (call.tool_choice == "required" or isinstance(call.tool_choice, dict))
+        json_format = call.response_format is not None and call.response_format.kind != "text"
+        return bool(forced_tool or json_format)
+
+    def _require_grammar(self):
+        if self.grammar is None:
+            raise InvalidRequest(
+                "Structured output is unavailable: the grammar engine could not load this "
+                "model's tokenizer.", "response_format", code="unsupported_feature",
+            )  # fmt: skip
+        return self.grammar
+
+    def _request(self, prompt_ids, max_tokens, sampling, **fields) -> GenerationRequest:
+        return GenerationRequest(
+            prompt_ids=tuple(int(t) for t in prompt_ids),
+            max_tokens=self._max_tokens(len(prompt_ids), max_tokens),
+            sampling=self._sampling(sampling), **fields,
+        )  # fmt: skip
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        room = self.max_context - num_prompt_tokens
+        if requested is not None:
+            if requested < 1:
+                raise InvalidRequest(f"max_tokens must be at least 1, got {requested}.", "max_tokens")
+            if requested > room:
+                raise _context_exceeded(self.max_context, num_prompt_tokens, requested)
+            return requested
+        if room < 1:
+            raise _context_exceeded(self.max_context, num_prompt_tokens, 1)
+        default = self.defaults.max_tokens
+        return room if default is None else min(default, room)
+
+    def _sampling(self, options: SamplingOptions) -> SamplingParams:
+        chosen = {k: v for k, v in attrs.asdict(options).items() if v is not None}
+        for name, value in chosen.items():
+            try:
+                SamplingParams(**{name: value})
+            except (ValueError, TypeError) as e:
+                raise InvalidRequest(f"{e}.", name, code="invalid_value") from None
+        return attrs.evolve(self.defaults.sampling, **chosen)
+
+    def _check_token_ids(self, token_ids, param: str) -> None:
+        vocab = self.model.spec.vocab_size
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequest(f"Token id {t!r} is out of range [0, {vocab}).", f"{param}.{i}")
+
+    async def _start(self, request: GenerationRequest, *, parse_tools: bool) -> EventStream:
+        send, receive = trio.open_memory_channel(_CHANNEL_SIZE)
+        scope = await self._nursery.start(pump_events, self.engine, request, send, self.observer)
+        return EventStream(
+            receive, scope, request_id=request.request_id, keepalive_s=self.keepalive_s,
+            parse_tools=parse_tools, new_call_id=new_call_id, describe_token=self._describe_token,
+        )  # fmt: skip
+
+    def _describe_token(self, token_id: int) -> tuple[str, bytes]:
+        return self.token_text(token_id), self.token_bytes(token_id)
+
+
+def _context_exceeded(max_context: int, num_prompt: int, num_new: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"This model's maximum context length is {max_context} tokens. However, you requested "
+        f"{num_prompt + num_new} tokens ({num_prompt} in the prompt, {num_new} for the answer).",
+        "messages", code="context_length_exceeded",
+    )  # fmt: skip
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+async def collect(stream: EventStream) -> CallResult:
+    """Gather a stream's events into one CallResult (raises what the stream raises)."""
+    request_id, text, calls, ids, logprobs = "", [], [], [], []
+    any_logprobs = False
+    async for event in stream:
+        if isinstance(event, CallStarted):
+            request_id = event.request_id
+        elif isinstance(event, TextDelta):
+            text.append(event.text)
+            ids.extend(event.token_ids)
+            if event.logprobs is not None:
+                any_logprobs = True
+                logprobs.extend(event.logprobs)
+        elif isinstance(event, ToolCallDelta):
+            calls.append(ToolCall(event.id, event.name, event.arguments))
+        elif isinstance(event, CallFinished):
+            return CallResult(
+                request_id=request_id, text="".join(text), tool_calls=tuple(calls),
+                reason=event.reason, usage=event.usage, token_ids=tuple(ids),
+                logprobs=tuple(logprobs) if any_logprobs else None,
+                stop_sequence=event.stop_sequence, error=event.error, timings=event.timings,
+            )  # fmt: skip
+    raise EngineError("the request ended without finishing")
+
+
+@asynccontextmanager
+async def open_service(
+    engine, model, *, max_context: int, model_id: str | None = None,
+    defaults: ServiceDefaults = ServiceDefaults(), keepalive_s: float = 10.0,
+    observer: CallObserver | None = None,
+) -> AsyncIterator[GenerationService]:  # fmt: skip
+    """A service over an open engine; owns the tasks that pump each request's events."""
+    grammar = await trio.to_thread.run_sync(_load_grammar, model)
+    async with trio.open_nursery() as nursery:
+        service = GenerationService(
+            engine, model, nursery, model_id=model_id or model.name, max_context=max_context,
+            defaults=defaults, grammar=grammar, keepalive_s=keepalive_s, observer=observer,
+        )  # fmt: skip
+        try:
+            yield service
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def _load_grammar(model):
+    """A GrammarCompiler for the model's tokenizer, or None (logged) when it cannot load."""
+    try:
+        from ninfer.grammar import GrammarCompiler
+
+        tokenizer = model.tokenizer
+        to_json: Callable[[], str] = getattr(tokenizer, "to_json_str", None) or tokenizer.hf.to_str
+        return GrammarCompiler(
+            to_json(), vocab_size=model.spec.vocab_size, stop_token_ids=model.stop_token_ids
+        )
+    except Exception as e:  # structured output is optional; plain generation still works
+        log.warning("structured output disabled: %s", e)
+        return None
+
+
+__all__ = [
+    "GenerationService", "ServiceDefaults", "open_service", "collect", "tool_specs", "ChatCall",
+    "CompletionCall", "InvalidRequest", "ModelNotFound",
+]  # fmt: skip
