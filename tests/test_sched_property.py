@@ -1,8 +1,11 @@
 """Property tests over random traces: arrivals, lengths, cancellations, tiny KV pools.
 
-After every run: page accounting is back to zero, every request ended exactly once, every
-token stream is gap- and duplicate-free, and each request produced exactly the tokens it
-produces alone (a prefix of them when it was cancelled).
+After every run: page accounting is back to zero (or, with the prefix cache on, to exactly
+the cache's pages), every request ended exactly once, every token stream is gap- and
+duplicate-free, and each request produced exactly the tokens it produces alone without any
+cache (a prefix of them when it was cancelled). Before every forward pass and every cache copy
+the pool's reference counts equal the holders' page lists (sequences and cache): no count is
+negative and no page is both free and referenced.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Arrival:
     seed: int
     greedy: bool
     cancel_after_s: float | None
+    num_shared: int = 0  # leading prompt tokens common to every request (a shared prefix)
+    read_only: bool = False  # reads the prefix cache, publishes nothing
 
 
 @attrs.frozen
@@ -51,6 +56,8 @@ class Trace:
     max_concurrency: int
     max_pending: int
     pending_timeout_s: float
+    prefix_cache: bool = False
+    host_cache_pages: int = 0  # the prefix cache's host tier, in pages
 
 
 @st.composite
@@ -63,6 +70,8 @@ def arrivals(draw):
         seed=draw(st.integers(0, 2**32)),
         greedy=draw(st.booleans()),
         cancel_after_s=draw(st.none() | st.none() | st.integers(0, 40).map(lambda n: n / 8)),
+        num_shared=draw(st.sampled_from([0, num_prompt, num_prompt, num_prompt // 2])),
+        read_only=draw(st.booleans()),
     )
 
 
@@ -75,14 +84,17 @@ traces = st.builds(
     max_concurrency=st.integers(1, 5),
     max_pending=st.integers(1, 8),
     pending_timeout_s=st.sampled_from([4.0, 1000.0, 1000.0]),
+    prefix_cache=st.sampled_from([True, True, False]),
+    host_cache_pages=st.sampled_from([0, 1, 3, 1000]),
 )
 
 
 def to_request(arrival: Arrival) -> GenerationRequest:
-    prompt = tuple((arrival.seed + 7 * i) % 256 for i in range(arrival.num_prompt))
+    shared = tuple((3 * i + 1) % 256 for i in range(arrival.num_shared))
+    prompt = shared + tuple((arrival.seed + 7 * i) % 256 for i in range(arrival.num_shared, arrival.num_prompt))
     sampling = SamplingParams(temperature=0.0) if arrival.greedy else SamplingParams()
     return GenerationRequest(prompt_ids=prompt, max_tokens=arrival.max_tokens, seed=arrival.seed,
-                             sampling=sampling)  # fmt: skip
+                             sampling=sampling, cache_read_only=arrival.read_only)  # fmt: skip
 
 
 def make_runner(num_pages):
@@ -112,28 +124,53 @@ async def follow(engine, arrival: Arrival, outcome: Outcome):
             outcome.error = exc
 
 
+def cache_holders(state) -> list[list[int]]:
+    holders = getattr(state.prefix, "holders", None)
+    return holders() if holders is not None else []
+
+
+def check_pool(state) -> None:
+    """The pool's refcounts are exactly the sequences' and the cache's references."""
+    sequences = [seq.pages for seq in (*state.running, *state.paused, *state.waiting)]
+    state.pool.check_consistent(holders=sequences + cache_holders(state))
+
+
+class CheckingExecutor(VirtualTimeExecutor):
+    """Checks the page accounting before every forward pass and every prefix-cache copy."""
+
+    state = None
+
+    async def __call__(self, fn, *args):
+        if self.state is not None and getattr(fn, "__name__", "") in ("step", "run"):
+            check_pool(self.state)
+        return await super().__call__(fn, *args)
+
+
 async def run_trace(trace: Trace):
     runner = make_runner(trace.num_pages)
     config = EngineConfig(
         page_size=PAGE, prefill_chunk=trace.prefill_chunk, max_concurrency=trace.max_concurrency,
         max_pending=trace.max_pending, pending_timeout_s=trace.pending_timeout_s,
-        host_snapshot_bytes=trace.host_pages * runner.page_nbytes,
+        host_snapshot_bytes=trace.host_pages * runner.page_nbytes, prefix_cache=trace.prefix_cache,
+        host_cache_bytes=trace.host_cache_pages * runner.page_nbytes,
     )  # fmt: skip
     outcomes = [Outcome() for _ in trace.arrivals]
-    async with open_engine(config, runner, ByteTokenizer(), executor=VirtualTimeExecutor(runner)) as engine:
+    executor = CheckingExecutor(runner)
+    async with open_engine(config, runner, ByteTokenizer(), executor=executor) as engine:
+        executor.state = engine._state
         async with trio.open_nursery() as nursery:
             for arrival, outcome in zip(trace.arrivals, outcomes):
                 nursery.start_soon(follow, engine, arrival, outcome)
         await trio.sleep(10)  # cancellations take effect within one step
         stats = engine.statistics()
-        engine._state.pool.check_consistent(holders=[])
+        engine._state.pool.check_consistent(holders=cache_holders(engine._state))
     return outcomes, stats
 
 
 async def run_alone(trace: Trace):
     """Each request with the whole engine to itself, one after the other."""
     runner = make_runner(MAX_CONTEXT // PAGE)
-    config = EngineConfig(page_size=PAGE, prefill_chunk=trace.prefill_chunk)
+    config = EngineConfig(page_size=PAGE, prefill_chunk=trace.prefill_chunk, prefix_cache=False)
     results = []
     async with open_engine(config, runner, ByteTokenizer(), executor=VirtualTimeExecutor(runner)) as engine:
         for arrival in trace.arrivals:
@@ -168,7 +205,7 @@ def check_one(arrival: Arrival, outcome: Outcome, alone: tuple[int, ...]):
     assert tuple(tokens) == alone[: len(tokens)]
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=traces)
 def test_random_traces_keep_every_invariant(trace):
     clock = trio.testing.MockClock(autojump_threshold=0)
@@ -176,8 +213,13 @@ def test_random_traces_keep_every_invariant(trace):
     alone = trio.run(run_alone, trace, clock=trio.testing.MockClock(autojump_threshold=0))
     for arrival, outcome, expected in zip(trace.arrivals, outcomes, alone):
         check_one(arrival, outcome, expected)
-    assert stats.num_pages_used == 0 and stats.num_pages_free == trace.num_pages
+    # At idle every used page is the prefix cache's (none without one).
+    assert stats.num_pages_used == stats.num_prefix_cache_pages
+    assert stats.num_pages_free == trace.num_pages - stats.num_prefix_cache_pages
     assert stats.host_snapshot_bytes == 0
+    assert stats.prefix_host_bytes <= trace.host_cache_pages * make_runner(1).page_nbytes
+    if not trace.prefix_cache:
+        assert stats.num_pages_used == 0 and stats.num_prefix_lookups == 0
     assert (stats.num_waiting, stats.num_running, stats.num_paused) == (0, 0, 0)
     assert sum(stats.requests_by_outcome.values()) == len(trace.arrivals)
     assert stats.num_snapshot_restores + stats.num_replay_restores <= stats.num_preemptions

@@ -51,7 +51,7 @@ def test_replay_is_deterministic_and_accounts_for_every_request():
     assert sum(stats.requests_by_outcome.values()) == workload.num_requests
     assert stats.requests_by_outcome["cancelled"] > 0
     assert stats.num_preemptions > 0 and stats.num_snapshot_restores > 0 and stats.num_replay_restores > 0
-    assert stats.num_pages_used == 0
+    assert stats.num_pages_used == stats.num_prefix_cache_pages  # at idle only the cache holds pages
     text = format_report(first)
     assert "time to 1st token" in text and "inter-token" in text and "preemptions" in text
 

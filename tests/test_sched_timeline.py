@@ -39,7 +39,8 @@ def request(num_prompt, max_tokens, seed):
 
 
 def engine_for(runner, records=None, **config):
-    values = dict(page_size=4, prefill_chunk=64, max_concurrency=4)
+    # The bare scheduler's timelines: no prefix cache (tests/test_prefix_engine.py has its own).
+    values = dict(page_size=4, prefill_chunk=64, max_concurrency=4, prefix_cache=False)
     values.update(config)
     observer = records.append if records is not None else None
     return open_engine(EngineConfig(**values), runner, ByteTokenizer(),

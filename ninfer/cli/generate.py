@@ -33,15 +33,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def prompt_ids(model, args: argparse.Namespace) -> list[int]:
-    """Token ids of the prompt: rendered through the chat template unless --raw."""
+def input_messages(args: argparse.Namespace) -> list[dict] | None:
+    """The chat messages to render (None with --raw); read before the model loads."""
     if args.raw:
         if args.messages:
             raise CliError("--raw takes --prompt, not --messages")
-        return model.tokenizer.encode(args.prompt)
+        return None
     messages = read_messages(args.messages) if args.messages else [{"role": "user", "content": args.prompt}]
     if args.system:
         messages = [{"role": "system", "content": args.system}, *messages]
+    return messages
+
+
+def prompt_ids(model, args: argparse.Namespace, messages: list[dict] | None) -> list[int]:
+    """Token ids of the prompt: rendered through the chat template unless --raw."""
+    if messages is None:
+        return model.tokenizer.encode(args.prompt)
     if model.chat_template is None:
         text = "\n".join(str(m.get("content", "")) for m in messages)
     else:
@@ -49,10 +56,10 @@ def prompt_ids(model, args: argparse.Namespace) -> list[int]:
     return model.tokenizer.encode(text)
 
 
-def build_request(model, args: argparse.Namespace):
+def build_request(model, args: argparse.Namespace, messages: list[dict] | None):
     from ninfer.sched.request import GenerationRequest
 
-    ids = prompt_ids(model, args)
+    ids = prompt_ids(model, args, messages)
     if not ids:
         raise CliError("the prompt is empty")
     return GenerationRequest(
@@ -65,8 +72,9 @@ async def generate(args: argparse.Namespace) -> int:
     from ninfer.runtime import load, open_runtime
     from ninfer.sched.request import FinishReason, Finished, TokenDelta
 
+    messages = input_messages(args)
     model = load(args.model, progress=not args.json)
-    request = build_request(model, args)
+    request = build_request(model, args, messages)
     text_parts: list[str] = []
     token_ids: list[int] = []
     finished = None

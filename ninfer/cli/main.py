@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         module = importlib.import_module(name)
         adder = getattr(module, "add_parsers", None) or module.add_parser
-        adder(subparsers)
+        parser_or_none = adder(subparsers)
+        if parser_or_none is not None and hasattr(module, "run"):
+            parser_or_none.set_defaults(run=module.run)
     return parser
 
 

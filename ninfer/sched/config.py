@@ -64,3 +64,9 @@ class EngineConfig:
         default=None, validator=_optional_at_least(1, "KV tokens")
     )
     seed: int | None = None  # draws the seeds of unseeded requests; None = OS entropy
+    prefix_cache: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    # ^ reuse computed KV across requests (ninfer/cache/prefix.py)
+    host_cache_bytes: int = attrs.field(
+        default=GIB, validator=_at_least(0, "bytes of host memory for demoted prefix-cache pages")
+    )
+    prefix_salt: str = ""  # mixed into every prefix-cache key (e.g. a model revision)

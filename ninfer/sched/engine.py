@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ninfer.cache.pages import PagePool, pages_for_tokens
+from ninfer.cache.prefix import PrefixCache
 from ninfer.gpu.runner import Runner
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.lane import run_lane
@@ -80,6 +81,23 @@ def check_capacity(config: EngineConfig, runner: Runner, max_context: int) -> No
         )
 
 
+def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHook:
+    """The prefix cache `config` asks for: device pages plus a host tier of `host_cache_bytes`."""
+    if not config.prefix_cache:
+        return NoPrefixCache()
+    return PrefixCache(
+        page_size=runner.page_size,
+        page_nbytes=runner.page_nbytes,
+        host_budget_bytes=config.host_cache_bytes,
+        # KV depends only on the model and the tokens: the spec names the model's shapes,
+        # prefix_salt whatever else the operator wants to separate (a revision, say).
+        salt=f"{runner.spec!r}|{type(runner).__name__}|{config.prefix_salt}",
+        # Restores and tail copies leave pages of growth to running requests (one per lane,
+        # at most an eighth of the pool).
+        num_reserved_pages=min(config.max_concurrency, runner.num_pages // 8),
+    )
+
+
 class Engine:
     """Admission, statistics and the request streams; the tasks run in `open_engine`."""
 
@@ -101,7 +119,8 @@ class Engine:
         self._tokenizer = tokenizer
         self._model_stop_ids = frozenset(int(i) for i in stop_token_ids)
         self._executor = executor or trio.to_thread.run_sync
-        self._state = EngineState(PagePool(runner.num_pages), prefix_cache or NoPrefixCache(), observer)
+        prefix_cache = prefix_cache or default_prefix_cache(config, runner)
+        self._state = EngineState(PagePool(runner.num_pages), prefix_cache, observer)
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._limits = PlanLimits(

@@ -1,12 +1,13 @@
 """A fake runner with a cost model, for deterministic scheduler tests and `ninfer simulate`.
 
-`FakeRunner` implements the `Runner` protocol without a model. Its "KV" is the token id and the
-writing sequence's id at every page slot, so a step really depends on the page table: the next
-token is a pure function of (seed, token index, the context read back from the pages). A
-scheduler that loses, mixes up or forgets to restore pages therefore changes the tokens, and
-reading a slot the sequence never wrote raises. Each call adds its cost in virtual seconds to
-`pending_cost_s`; `VirtualTimeExecutor` sleeps that long in trio time (use it with
-`trio.testing.MockClock(autojump_threshold=0)`).
+`FakeRunner` implements the `Runner` protocol without a model. Its "KV" is the token id and a
+running hash of the whole prefix ending there at every page slot, so a step really depends on
+the page table: the next token is a pure function of (seed, token index, the context read back
+from the pages). A scheduler that loses, mixes up or forgets to restore pages therefore changes
+the tokens, and reading a slot never written, or a page that does not continue the row's own
+prefix, raises; pages shared by a prefix cache pass, as they hold exactly that prefix. Each call
+adds its cost in virtual seconds to `pending_cost_s`; `VirtualTimeExecutor` sleeps that long in
+trio time (use it with `trio.testing.MockClock(autojump_threshold=0)`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class FakeRunner:
         self._page_nbytes = page_nbytes or page_size * 16
         self._fail_at_step = fail_at_step
         self._tokens = np.full((num_pages, page_size), -1, dtype=np.int64)
-        self._owners = np.full((num_pages, page_size), -1, dtype=np.int64)
+        # _prefix[slot] = mix(_prefix[previous position], token): the prefix's rolling hash.
+        self._prefix = np.full((num_pages, page_size), _UNWRITTEN, dtype=np.uint64)
         self.pending_cost_s = 0.0
         self.steps: list[StepLog] = []
         self.num_snapshots = 0
@@ -83,7 +85,7 @@ class FakeRunner:
     def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
         if self._fail_at_step is not None and len(self.steps) == self._fail_at_step:
             raise RuntimeError("injected runner failure")
-        _check_distinct_pages(rows)
+        _check_distinct_pages(rows, self.page_size)
         self.steps.append(StepLog(tuple(_log_row(row) for row in rows)))
         self.pending_cost_s += self.cost.step_cost_s(rows)
         for row in rows:
@@ -99,15 +101,27 @@ class FakeRunner:
     def _write(self, row: StepRow) -> None:
         positions = np.arange(row.start_pos, row.start_pos + len(row.token_ids))
         pages, offsets = self._slots(row, positions)
+        prefix = _ROOT
+        if row.start_pos:
+            [page], [offset] = self._slots(row, np.array([row.start_pos - 1]))
+            prefix = int(self._prefix[page, offset])
+            if prefix == _UNWRITTEN:
+                raise AssertionError(f"row {row.seq_id} continues a position it never computed")
+        hashes = []
+        for token_id in row.token_ids.tolist():
+            prefix = _mix(prefix, token_id)
+            hashes.append(prefix)
         self._tokens[pages, offsets] = row.token_ids
-        self._owners[pages, offsets] = row.seq_id
+        self._prefix[pages, offsets] = np.array(hashes, dtype=np.uint64)
 
     def _sample(self, row: StepRow) -> SampledToken:
         positions = np.arange(row.start_pos + len(row.token_ids))
         pages, offsets = self._slots(row, positions)
-        if np.any(self._owners[pages, offsets] != row.seq_id):
-            raise AssertionError(f"row {row.seq_id} reads KV it never wrote")
         context = self._tokens[pages, offsets]
+        prefix = self._prefix[pages, offsets]
+        previous = np.concatenate([np.array([_ROOT], dtype=np.uint64), prefix[:-1]])
+        if np.any(prefix == _UNWRITTEN) or np.any(_mix_array(previous, context) != prefix):
+            raise AssertionError(f"row {row.seq_id} reads KV that does not hold its own prefix")
         spec = row.sample
         digest = _hash(spec.seed, spec.token_index, context)
         if spec.allowed is not None:
@@ -127,23 +141,38 @@ class FakeRunner:
         ids = np.asarray(page_ids, dtype=np.int64)
         self.num_snapshots += 1
         self.pending_cost_s += self.cost.page_copy_s * len(ids)
-        return PageSnapshot((self._tokens[ids].copy(), self._owners[ids].copy()))
+        return PageSnapshot((self._tokens[ids].copy(), self._prefix[ids].copy()))
 
     def restore_pages(self, page_ids: Sequence[int], snapshot: PageSnapshot) -> None:
         ids = np.asarray(page_ids, dtype=np.int64)
-        tokens, owners = snapshot.arrays
+        tokens, prefix = snapshot.arrays
         if len(ids) != len(tokens):
             raise AssertionError(f"restoring {len(tokens)} snapshotted pages into {len(ids)}")
         self.num_restores += 1
         self.pending_cost_s += self.cost.page_copy_s * len(ids)
-        self._tokens[ids], self._owners[ids] = tokens, owners
+        self._tokens[ids], self._prefix[ids] = tokens, prefix
 
     def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        self.pending_cost_s += self.cost.page_copy_s * len(src_ids)
         self._tokens[list(dst_ids)] = self._tokens[list(src_ids)]
-        self._owners[list(dst_ids)] = self._owners[list(src_ids)]
+        self._prefix[list(dst_ids)] = self._prefix[list(src_ids)]
 
     def close(self) -> None:
         pass
+
+
+_UNWRITTEN = (1 << 64) - 1
+_ROOT = 0x9E3779B97F4A7C15
+_MULTIPLIER = 0x100000001B3  # odd: the mix is a bijection of the previous hash
+
+
+def _mix(prefix: int, token_id: int) -> int:
+    return (prefix * _MULTIPLIER + token_id + 1) % (1 << 64)
+
+
+def _mix_array(prefix: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as _mix's modulo does
+        return prefix * np.uint64(_MULTIPLIER) + token_ids.astype(np.uint64) + np.uint64(1)
 
 
 def _hash(seed: int, token_index: int, context: np.ndarray) -> int:
@@ -157,13 +186,18 @@ def _log_row(row: StepRow) -> tuple[int, int, int, bool]:
     return (row.seq_id, row.start_pos, len(row.token_ids), row.sample is not None)
 
 
-def _check_distinct_pages(rows: Sequence[StepRow]) -> None:
-    """Two rows of one step must never write the same page (no sharing without copy-on-write)."""
-    seen: dict[int, int] = {}
+def _check_distinct_pages(rows: Sequence[StepRow], page_size: int) -> None:
+    """A page a row writes is in no other row's table (shared prefix pages are only read)."""
+    written: dict[int, int] = {}
+    for row in rows:
+        first, last = row.start_pos // page_size, (row.start_pos + len(row.token_ids) - 1) // page_size
+        for page in row.page_table[first : last + 1].tolist():
+            if written.setdefault(page, row.seq_id) != row.seq_id:
+                raise AssertionError(f"page {page} is written by rows {written[page]} and {row.seq_id}")
     for row in rows:
         for page in row.page_table.tolist():
-            if seen.setdefault(page, row.seq_id) != row.seq_id:
-                raise AssertionError(f"page {page} is in rows {seen[page]} and {row.seq_id}")
+            if written.get(page, row.seq_id) != row.seq_id:
+                raise AssertionError(f"row {row.seq_id} reads page {page} while row {written[page]} writes it")
 
 
 class VirtualTimeExecutor:

@@ -21,6 +21,7 @@ The driver applies the plan in the same order (reclaim, pauses, resumes, admissi
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import attrs
@@ -43,6 +44,9 @@ class PoolState:
     num_free_pages: int
     num_reclaimable_pages: int = 0  # inactive prefix-cache pages that could be freed
     host_snapshot_bytes_used: int = 0
+    # Pages a pause would free: those the victim alone holds. Pages it shares with the prefix
+    # cache (or other sequences) stay in use. None: every page is the victim's alone.
+    count_private_pages: Callable[[Sequence], int] | None = None
 
 
 class PauseMode(enum.Enum):
@@ -88,6 +92,10 @@ class _Budget:
         self.num_reclaim = 0
         self.num_prefill_left = limits.prefill_chunk
         self.host_bytes_left = limits.host_snapshot_bytes - pool.host_snapshot_bytes_used
+        self._count_private = pool.count_private_pages or (lambda seq: len(seq.pages))
+
+    def pages_freed_by_pause(self, seq: Sequence) -> int:
+        return self._count_private(seq)
 
     def reclaim_up_to(self, num_pages: int) -> None:
         take = min(self.num_reclaimable, max(0, num_pages - self.num_free))
@@ -163,7 +171,8 @@ def _pause_for(seq, index, residents, budget, limits) -> list[Pause]:
             break
         residents.remove(victim)
         pauses.append(Pause(victim, budget.pause_mode(victim, limits.page_nbytes)))
-        budget.num_free += len(victim.pages)
+        # Shared pages stay in use (they become reclaimable cache only in the next step).
+        budget.num_free += budget.pages_freed_by_pause(victim)
     return pauses
 
 

@@ -217,7 +217,25 @@ class EngineState:
             num_cached_prompt_tokens=c.num_cached_prompt_tokens,
             num_generated_tokens=c.num_generated_tokens,
             requests_by_outcome=dict(c.outcomes),
+            **_prefix_fields(self.prefix),
         )
+
+
+def _prefix_fields(prefix: PrefixCacheHook) -> dict[str, int]:
+    statistics = getattr(prefix, "statistics", None)
+    cache = statistics() if statistics is not None else None
+    if cache is None:
+        return {}
+    return {
+        "num_prefix_lookups": cache.num_lookups,
+        "num_prefix_hits": cache.num_hits,
+        "num_prefix_demotions": cache.num_demotions,
+        "num_prefix_restores": cache.num_restores,
+        "num_prefix_evictions": cache.num_evictions,
+        "num_prefix_cache_pages": cache.num_device_pages,
+        "num_prefix_host_pages": cache.num_host_pages,
+        "prefix_host_bytes": cache.host_bytes,
+    }
 
 
 def _timings(seq: Sequence, now_s: float) -> Timings:

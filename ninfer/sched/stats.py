@@ -45,6 +45,15 @@ class EngineStatistics:
     num_cached_prompt_tokens: int  # prompt tokens served from the prefix cache
     num_generated_tokens: int  # sampled tokens, stop tokens included
     requests_by_outcome: Mapping[str, int]  # Outcome.value -> count
+    # The prefix cache (all zero without one); counters except the last three gauges.
+    num_prefix_lookups: int = 0  # admitted requests whose prompt was looked up
+    num_prefix_hits: int = 0  # of those, how many reused at least one token
+    num_prefix_demotions: int = 0  # inactive pages moved to the host tier under pressure
+    num_prefix_restores: int = 0  # host-tier pages copied back by a hit
+    num_prefix_evictions: int = 0  # cached pages dropped (either tier)
+    num_prefix_cache_pages: int = 0  # gauge: device pages the cache holds (active or not)
+    num_prefix_host_pages: int = 0  # gauge: pages on the host tier
+    prefix_host_bytes: int = 0  # gauge: host memory those pages take
 
 
 class Counters:

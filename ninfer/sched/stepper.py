@@ -16,7 +16,8 @@ import trio
 
 from ninfer.gpu.runner import Runner, SampleSpec, StepRow
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
-from ninfer.sched.planner import split_expired
+from ninfer.sched.planner import StepPlan, split_expired
+from ninfer.sched.prefix_hook import detach
 from ninfer.sched.request import FinishReason, QueueTimeout, Started
 from ninfer.sched.sequence import Phase, Sequence
 from ninfer.sched.state import EngineState
@@ -63,16 +64,16 @@ class Stepper:
         self._reap_cancelled()
         expire_waiting(state)
         self._attach_prefixes()
-        pool = PoolState(
-            num_free_pages=state.pool.num_free,
-            num_reclaimable_pages=state.prefix.num_reclaimable_pages(),
-            host_snapshot_bytes_used=state.host_snapshot_bytes,
-        )
-        plan = plan_step(state.running, state.paused, state.waiting, pool, self._limits)
+        await self._run_cache_io()  # restores and copy-on-write tails for those hits
+        plan = self._plan(state.waiting)
+        if self._detach_unadmitted(plan):
+            # Pages held by queued requests must not starve running ones: plan again without.
+            plan = self._plan([seq for seq in plan.admits if seq.phase is Phase.WAITING])
         if plan.is_idle:
             return False
         if plan.num_reclaim_pages:
             state.prefix.reclaim(plan.num_reclaim_pages, state.pool)
+            await self._run_cache_io()  # demotions: their pages are free once snapshotted
         # Pauses and resumes await the runner; meanwhile a queued request may be cancelled
         # or expire, so each step re-checks the phase the plan was made for.
         for pause in plan.pauses:
@@ -88,6 +89,20 @@ class Stepper:
             await self._run_rows(plan.rows)
         return True
 
+    def _plan(self, waiting: list[Sequence]) -> StepPlan:
+        state = self._state
+        pool = PoolState(
+            num_free_pages=state.pool.num_free,
+            num_reclaimable_pages=state.prefix.num_reclaimable_pages(),
+            host_snapshot_bytes_used=state.host_snapshot_bytes,
+            count_private_pages=self._count_private_pages,
+        )
+        return plan_step(state.running, state.paused, waiting, pool, self._limits)
+
+    def _count_private_pages(self, seq: Sequence) -> int:
+        pool = self._state.pool
+        return sum(1 for page in seq.pages if pool.refcount(page) == 1)
+
     # -- bookkeeping before the plan ----------------------------------------------------
 
     def _reap_cancelled(self) -> None:
@@ -102,6 +117,28 @@ class Stepper:
             if not seq.is_prefix_looked_up:
                 seq.is_prefix_looked_up = True
                 state.prefix.attach(seq, state.pool)
+
+    def _detach_unadmitted(self, plan: StepPlan) -> bool:
+        """Queued requests the plan does not admit give their cache hits back (looked up again later).
+
+        Returns whether any held pages, i.e. whether the plan saw fewer free pages than there are.
+        """
+        admitted = {seq.seq_id for seq in plan.admits}
+        held = False
+        for seq in self._state.waiting:
+            if seq.is_prefix_looked_up and seq.seq_id not in admitted:
+                held = held or bool(seq.pages)
+                detach(self._state.prefix, seq, self._state.pool)
+        return held
+
+    async def _run_cache_io(self) -> None:
+        """Run the prefix cache's queued KV copies off the event loop, then let it settle them."""
+        prefix = self._state.prefix
+        take_io = getattr(prefix, "take_io", None)
+        io = take_io() if take_io is not None else None
+        if io:
+            result = await self._executor(io.run, self._runner)
+            prefix.complete_io(io, result, self._state.pool)
 
     # -- applying the plan ---------------------------------------------------------------
 
@@ -213,6 +250,10 @@ class Stepper:
         counters.num_replayed_tokens += max(0, min(new, seq.num_computed_max) - old)
         counters.num_prefill_tokens += max(0, min(new, seq.num_prompt) - max(old, seq.num_computed_max))
         seq.num_computed_max = max(seq.num_computed_max, new)
+        if new // self._limits.page_size > old // self._limits.page_size and seq.phase is Phase.RUNNING:
+            publish_progress = getattr(self._state.prefix, "publish_progress", None)
+            if publish_progress is not None:
+                publish_progress(seq, self._state.pool)  # requests arriving now reuse these pages
         # A request cancelled (or shut down) while the step ran is reaped, not fed.
         if planned.samples and seq.phase is Phase.RUNNING and not seq.is_cancel_requested:
             if result is None:

@@ -1,0 +1,34 @@
+"""`cuda_available()`: is there a usable CUDA GPU here? Never raises, never imports numba."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """True when a CUDA driver and at least one device answer (the simulator does not count)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, count = driver.cuDeviceGetCount()
+        return err == driver.CUresult.CUDA_SUCCESS and count > 0
+    except Exception:  # no driver library, no bindings, broken install: all mean "no GPU"
+        return False
+
+
+def resolve_backend(name: str) -> str:
+    """Map `--backend auto|cuda|reference` to `cuda` or `reference` (ValueError on a typo)."""
+    if name == "auto":
+        return "cuda" if cuda_available() else "reference"
+    if name not in ("cuda", "reference"):
+        raise ValueError(f"unknown backend {name!r}: choose auto, cuda or reference")
+    if name == "cuda" and not cuda_available():
+        raise ValueError("the cuda backend was asked for, but no CUDA GPU is available here")
+    return name

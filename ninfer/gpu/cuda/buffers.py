@@ -1,0 +1,138 @@
+"""Every device buffer a step touches, allocated once from the model shape and the limits.
+
+A step only fills prefixes of these arrays, so kernel arguments (and therefore captured CUDA
+graphs) never change. Inputs are written by the host into pinned mirrors and copied up with
+one driver call per segment; outputs come back the same way.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+from numba import cuda
+
+from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.runner import MAX_TOP_LOGPROBS
+from ninfer.gpu.cuda.sampler import NUM_FPAR, NUM_IPAR
+
+TOKEN_FIELDS = 4  # token id, position, page, slot
+ROW_FIELDS = 4  # seq_len, last token index, row's first token, row's start position
+MAX_PENALTY_ENTRIES = 1 << 16
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """Sizes the buffers are allocated for."""
+
+    max_tokens: int  # tokens in one forward (prefill chunk + decode rows)
+    max_rows: int  # rows (sequences) in one forward
+    max_pages_per_row: int
+    max_splits: int  # decode attention splits (max_context / split_len)
+    alloc_tokens: int = 0  # token rows allocated: room for graph-bucket padding (>= max_tokens)
+
+
+def _dev(shape, dtype):
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def _pinned(shape, dtype):
+    return np.zeros(shape, dtype) if SIMULATOR else cuda.pinned_array(shape, dtype=dtype)
+
+
+class StepBuffers:
+    """Device activations and I/O for one forward, plus their host mirrors."""
+
+    def __init__(self, spec, limits: Limits):
+        t, r = max(limits.alloc_tokens, limits.max_tokens), limits.max_rows
+        d = spec.d_model
+        wide = max(d, spec.q_dim, spec.d_ffn)
+        qkv_dim = spec.q_dim + 2 * spec.kv_dim
+        self.limits = limits
+        # activations
+        self.x = _dev((t, d), np.float32)  # the residual stream
+        self.h = _dev((t, wide), np.float32)  # float inputs of the linears
+        self.xq8 = _dev((t, wide), np.int8)  # int8 inputs of the linears ...
+        self.xs = _dev((t, 2 * (wide // 32)), np.float32)  # ... and their block scales
+        self.qkv = _dev((t, qkv_dim), np.float32)
+        self.q = _dev((t, spec.q_dim), np.float32)
+        self.gate_up = _dev((t, 2 * spec.d_ffn), np.float32)
+        self.o_part = _dev((r, spec.num_heads, limits.max_splits, spec.head_dim), np.float32)
+        self.ml_part = _dev((r, spec.num_heads, limits.max_splits, 2), np.float32)
+        self.logits = _dev((r, spec.vocab_size), np.float32)
+        self.scores = _dev((r, spec.vocab_size), np.float32)
+        # inputs: per token, per row, page tables, sampling
+        self.tok_in = _dev((TOKEN_FIELDS, t), np.int32)
+        self.row_in = _dev((ROW_FIELDS, r), np.int32)
+        self.tiles_in = _dev((3, t + r), np.int32)
+        self.tables = _dev((r, limits.max_pages_per_row), np.int32)
+        self.fpar = _dev((r, NUM_FPAR), np.float32)
+        self.ipar = _dev((r, NUM_IPAR), np.int32)
+        self.seeds = _dev((r, 2), np.uint64)
+        self.pen_ids = _dev(MAX_PENALTY_ENTRIES, np.int32)
+        self.pen_counts = _dev(MAX_PENALTY_ENTRIES, np.int32)
+        self.masks = _dev((r, (spec.vocab_size + 31) // 32), np.uint32)
+        # outputs in one int32 allocation: tokens [r] | logprob bits [r] | top ids [r, K] | top bits [r, K]
+        self.out = _dev(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
+        self.dummy_f32 = _dev((1, 1), np.float32)
+        self.dummy_f1 = _dev(1, np.float32)
+        # host mirrors
+        self.h_tok = _pinned((TOKEN_FIELDS, t), np.int32)
+        self.h_row = _pinned((ROW_FIELDS, r), np.int32)
+        self.h_tiles = _pinned((3, t + r), np.int32)
+        self.h_tables = _pinned((r, limits.max_pages_per_row), np.int32)
+        self.h_fpar = _pinned((r, NUM_FPAR), np.float32)
+        self.h_ipar = _pinned((r, NUM_IPAR), np.int32)
+        self.h_seeds = _pinned((r, 2), np.uint64)
+        self.h_pen_ids = _pinned(MAX_PENALTY_ENTRIES, np.int32)
+        self.h_pen_counts = _pinned(MAX_PENALTY_ENTRIES, np.int32)
+        self.h_masks = _pinned((r, (spec.vocab_size + 31) // 32), np.uint32)
+        self.h_out = _pinned(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
+
+    # named views the kernels take
+    @property
+    def tokens(self):
+        return self.tok_in[0]
+
+    @property
+    def tok_pos(self):
+        return self.tok_in[1]
+
+    @property
+    def tok_page(self):
+        return self.tok_in[2]
+
+    @property
+    def tok_slot(self):
+        return self.tok_in[3]
+
+    @property
+    def seq_lens(self):
+        return self.row_in[0]
+
+    @property
+    def last_tok(self):
+        return self.row_in[1]
+
+    @property
+    def tiles(self):
+        """(tile_row, tile_tok0, tile_ntok, row_tok0, row_start) for the prefill attention."""
+        return (self.tiles_in[0], self.tiles_in[1], self.tiles_in[2], self.row_in[2], self.row_in[3])
+
+    def sampler_args(self):
+        r, k = self.limits.max_rows, MAX_TOP_LOGPROBS
+        out_f32 = self.out.view(np.float32)
+        return (
+            self.logits, self.scores, self.fpar, self.ipar, self.seeds, self.pen_ids, self.pen_counts, self.masks,
+            self.out[0:r], out_f32[r : 2 * r], self.out[2 * r : (2 + k) * r].reshape(r, k),
+            out_f32[(2 + k) * r :].reshape(r, k),
+        )  # fmt: skip
+
+    def host_outputs(self):
+        """(tokens, logprobs, top ids, top logprobs) views of the pinned output mirror."""
+        r, k = self.limits.max_rows, MAX_TOP_LOGPROBS
+        f = self.h_out.view(np.float32)
+        return self.h_out[:r], f[r : 2 * r], self.h_out[2 * r : (2 + k) * r].reshape(r, k), f[(2 + k) * r :].reshape(r, k)
+
+    @property
+    def xq32(self):
+        return self.xq8.view(np.uint32)

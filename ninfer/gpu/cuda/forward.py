@@ -1,0 +1,118 @@
+"""The launch sequence of one forward over staged inputs: the recipe a CUDA graph captures.
+
+`Forward.launch(plan)` issues every kernel of a step on one stream, reading only the static
+buffers (buffers.py), so the same calls can run eagerly or be captured once per batch bucket.
+Per layer (activations `act` = int8 blocks for the dp4a GEMV, or float32):
+
+    rmsnorm(x) -> act ; QKV linear ; bias / q-k norm / RoPE / K-V write ; attention -> act
+    x += O linear ; rmsnorm(x) -> act ; gate+up linear ; SwiGLU -> act ; x += down linear
+
+then the final norm of each sampled row's last token, the LM head and the sampler.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ninfer.gpu.cuda import act_quant, attention, embed, gemm, gemv, norm, rope, sampler, swiglu
+
+
+@attrs.frozen(kw_only=True)
+class StepPlan:
+    num_tokens: int
+    num_rows: int
+    num_sampled: int  # rows whose last token goes through the head (head inputs: last_tok[:S])
+    decode: bool  # every row has one token: split-K decode attention
+    num_tiles: int = 0  # prefill attention tiles (general path)
+
+    @property
+    def act(self) -> str:
+        return "q8" if self.num_tokens <= gemv.MAX_M else "f32"
+
+
+class Forward:
+    """Owns references to the device model, buffers, KV pool and RoPE tables."""
+
+    def __init__(self, spec, model, bufs, k_pool, v_pool, cos, sin, *, q8: bool, split_len: int, sampler_threads: int):
+        self.spec = spec
+        self.model = model
+        self.bufs = bufs
+        self.k_pool = k_pool
+        self.v_pool = v_pool
+        self.cos = cos
+        self.sin = sin
+        self.q8 = q8 and model.linears_quantized
+        self.head_q8 = q8 and model.head.qtype not in gemv.FLOAT_QTYPES
+        self.split_len = split_len
+        self.sampler_threads = sampler_threads
+
+    def launch(self, plan: StepPlan, stream) -> None:
+        b, spec = self.bufs, self.spec
+        act = "q8" if (self.q8 and plan.act == "q8") else "f32"
+        t = plan.num_tokens
+        embed.embed(self.model.embed, b.tokens, b.x, t, stream)
+        for i, layer in enumerate(self.model.layers):
+            self._norm(layer.attn_norm, t, act, stream)
+            self._linear(layer.wqkv, t, act, b.qkv, None, stream)
+            self._qkv_post(i, layer, t, stream)
+            self._attention(i, plan, act, stream)
+            self._linear((layer.wo,), t, act, b.x, b.x, stream)
+            self._norm(layer.ffn_norm, t, act, stream)
+            self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
+            out = b.xq8 if act == "q8" else b.h
+            swiglu.swiglu(b.gate_up, out, b.xs, t, act, stream)
+            self._linear((layer.w_down,), t, act, b.x, b.x, stream)
+        self._head(plan, stream)
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _norm(self, w, num_rows, act, stream, rows=None):
+        b = self.bufs
+        out = b.xq8 if act == "q8" else b.h
+        has_rows = rows is not None
+        norm.rmsnorm(b.x, b.x, w, self.spec.rms_eps, rows if has_rows else b.last_tok, out, b.xs, num_rows, act,
+                     False, has_rows, stream)  # fmt: skip
+
+    def _linear(self, parts, num_m, act, out, res, stream):
+        b = self.bufs
+        col = 0
+        for w in parts:
+            dst = out if len(parts) == 1 else out[:, col : col + w.rows]
+            col += w.rows
+            if act == "q8":
+                gemv.gemv(w, b.xq32, b.xs, dst, res, num_m, "q8", stream)
+            elif num_m <= gemv.MAX_M:
+                gemv.gemv(w, b.h, b.dummy_f32, dst, res, num_m, "f32", stream)
+            else:
+                gemm.gemm(w, b.h, dst, res, num_m, stream)
+
+    def _qkv_post(self, i, layer, t, stream):
+        b, spec = self.bufs, self.spec
+        dummy = b.dummy_f1
+        rope.qkv_post(
+            spec, b.qkv, layer.bqkv if layer.bqkv is not None else dummy,
+            layer.q_norm if layer.q_norm is not None else dummy, layer.k_norm if layer.k_norm is not None else dummy,
+            self.cos, self.sin, b.tok_pos, b.tok_page, b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], t,
+            layer.bqkv is not None, layer.q_norm is not None, stream,
+        )  # fmt: skip
+
+    def _attention(self, i, plan, act, stream):
+        b, spec = self.bufs, self.spec
+        if plan.decode:
+            out = b.xq8 if act == "q8" else b.h
+            attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
+                                  b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream)  # fmt: skip
+            return
+        attention.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, plan.num_tiles, stream)
+        if act == "q8":
+            act_quant.quantize_rows(b.h, b.xq8, b.xs, plan.num_tokens, spec.q_dim, stream)
+
+    def _head(self, plan, stream):
+        b = self.bufs
+        s = plan.num_sampled
+        if s == 0:
+            return
+        act = "q8" if (self.head_q8 and s <= gemv.MAX_M) else "f32"
+        self._norm(self.model.final_norm, s, act, stream, rows=b.last_tok)
+        self._linear((self.model.head,), s, act, b.logits, None, stream)
+        sampler.sample(b.sampler_args(), s, stream, self.sampler_threads)

@@ -1,0 +1,376 @@
+"""PTX instructions numba does not wrap, and warp reductions, each with a simulator twin.
+
+GPU builds reach `dp4a`, 16-byte vector loads, bit casts, f16x2 packing and `mma.sync` through
+`@intrinsic`s whose codegen emits llvmlite `InlineAsm`. numba's CUDA simulator runs kernels
+as Python and has no warp shuffles, so under `NUMBA_ENABLE_CUDASIM=1` every name here is a
+plain-Python (or shared-memory) version with the same result. Rules for callers:
+
+* call the warp / group reductions from uniform control flow with the whole block active
+  (the simulator twins use `syncthreads`, the GPU versions full-warp shuffles);
+* blocks are one-dimensional (lane = threadIdx.x % 32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda, float32, int32, int64, types, uint32, uint64
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+FULL_MASK = 0xFFFFFFFF
+
+
+def device(fn):
+    """`cuda.jit(device=True)` on the GPU; under the simulator the plain function, because a
+    simulated call of a jitted device function swaps module globals on every call (slow)."""
+    return fn if SIMULATOR else cuda.jit(device=True)(fn)
+
+
+# splitmix64 constants of ninfer.gpu.sampling.uniform
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.core.extending import intrinsic
+
+    _I32 = ir.IntType(32)
+    _F32 = ir.FloatType()
+
+    def _asm_call(builder, ret_ir, arg_irs, text, constraints, args):
+        fnty = ir.FunctionType(ret_ir, arg_irs)
+        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=False), args)
+
+    def _as_i32(context, builder, sig, args):
+        return [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args)]
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        """Sum of the four signed-byte products of a and b, plus c (int32)."""
+        sig = types.int32(a, b, c)
+
+        def codegen(context, builder, signature, args):
+            vals = _as_i32(context, builder, signature, args)
+            return _asm_call(builder, _I32, [_I32] * 3, "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", vals)
+
+        return sig, codegen
+
+    def _make_ld4(elem_type, elem_ir, reg, ptx_type):
+        @intrinsic
+        def ld4(typingctx, arr, row, col):
+            """Four consecutive elements arr[row, col:col+4] in one 16-byte load (col % 4 == 0)."""
+            ret = types.UniTuple(elem_type, 4)
+            sig = ret(arr, row, col)
+
+            def codegen(context, builder, signature, args):
+                aryty = signature.args[0]
+                ary = context.make_array(aryty)(context, builder, args[0])
+                inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+                ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
+                addr = builder.ptrtoint(ptr, ir.IntType(64))
+                st = ir.LiteralStructType([elem_ir] * 4)
+                text = f"ld.global.nc.v4.{ptx_type} {{$0,$1,$2,$3}}, [$4];"
+                res = _asm_call(builder, st, [ir.IntType(64)], text, f"={reg},={reg},={reg},={reg},l", [addr])
+                return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
+
+            return sig, codegen
+
+        return ld4
+
+    ld4_u32 = _make_ld4(types.uint32, _I32, "r", "u32")
+    ld4_f32 = _make_ld4(types.float32, _F32, "f", "f32")
+
+    @intrinsic
+    def bits_to_f32(typingctx, bits):
+        """Reinterpret a 32-bit integer as float32."""
+        sig = types.float32(bits)
+
+        def codegen(context, builder, signature, args):
+            (v,) = _as_i32(context, builder, signature, args)
+            return builder.bitcast(v, _F32)
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_to_bits(typingctx, x):
+        """Reinterpret a float32 as uint32."""
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.float32)
+            return builder.bitcast(v, _I32)
+
+        return sig, codegen
+
+    @intrinsic
+    def pack_half2(typingctx, lo, hi):
+        """Two float32 rounded to f16 and packed: lo in bits 0-15, hi in bits 16-31."""
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            return _asm_call(builder, _I32, [_F32, _F32], "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [args[1], args[0]])
+
+        return sig, codegen
+
+    @intrinsic
+    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        ret = types.UniTuple(types.float32, 4)
+        sig = ret(*([types.uint32] * 6 + [types.float32] * 4))
+
+        def codegen(context, builder, signature, args):
+            st = ir.LiteralStructType([_F32] * 4)
+            text = (
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};"
+            )
+            cons = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
+            res = _asm_call(builder, st, [_I32] * 6 + [_F32] * 4, text, cons, list(args))
+            return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    mma_m16n8k16 = _mma
+
+    @cuda.jit(device=True, inline=True)
+    def group_sum(v, width):
+        """Sum of v over each aligned group of `width` lanes (width a power of two <= 32)."""
+        off = width >> 1
+        while off > 0:
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+            off >>= 1
+        return v
+
+    @cuda.jit(device=True, inline=True)
+    def group_max(v, width):
+        off = width >> 1
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+            off >>= 1
+        return v
+
+    @cuda.jit(device=True, inline=True)
+    def warp_max_u64(v):
+        """Largest uint64 over the warp (keys for arg-max with tie rules)."""
+        off = 16
+        while off > 0:
+            v = max(v, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(v), off)))
+            off >>= 1
+        return v
+
+    @cuda.jit(device=True, inline=True)
+    def warp_sum_u64(v):
+        """Sum of a uint64 over the warp (exact: fixed-point weights in the sampler)."""
+        off = 16
+        while off > 0:
+            v = v + uint64(cuda.shfl_xor_sync(FULL_MASK, int64(v), off))
+            off >>= 1
+        return v
+
+else:
+    _M32 = 0xFFFFFFFF
+
+    def _i8(x):
+        return x - 256 if x > 127 else x
+
+    def dp4a(a, b, c):
+        a = int(a) & _M32
+        b = int(b) & _M32
+        s = int(c)
+        for i in range(4):
+            s += _i8((a >> (8 * i)) & 0xFF) * _i8((b >> (8 * i)) & 0xFF)
+        return np.int32(((s + 2**31) & _M32) - 2**31)
+
+    def ld4_u32(arr, row, col):
+        return (uint32(arr[row, col]), uint32(arr[row, col + 1]), uint32(arr[row, col + 2]), uint32(arr[row, col + 3]))
+
+    def ld4_f32(arr, row, col):
+        return (float32(arr[row, col]), float32(arr[row, col + 1]), float32(arr[row, col + 2]), float32(arr[row, col + 3]))
+
+    def bits_to_f32(bits):
+        return np.array([int(bits) & _M32], dtype=np.uint32).view(np.float32)[0]
+
+    def f32_to_bits(x):
+        return np.array([x], dtype=np.float32).view(np.uint32)[0]
+
+    def pack_half2(lo, hi):
+        h = np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+        return np.uint32(h[0] | (h[1] << 16))
+
+    def mma_m16n8k16(*args):
+        raise RuntimeError("mma.sync has no simulator twin; use the scalar tile path")
+
+    import threading
+
+    _exchanges_lock = threading.Lock()
+
+    def _warp_values(v):
+        """All 32 lanes' values of v (every lane of the warp must call): a warp-local
+        exchange through a Python barrier, much cheaper in the simulator than syncthreads.
+        The exchange lives on the block's manager, so no state outlives the block."""
+        t = threading.current_thread()
+        lane = t.thread_id % 32
+        warp = t.thread_id // 32
+        with _exchanges_lock:
+            table = t._manager.__dict__.setdefault("_ninfer_warps", {})
+            ex = table.get(warp)
+            if ex is None:
+                bx, by, bz = t._manager._block_dim
+                lanes = min(32, bx * by * bz - 32 * warp)
+                ex = table[warp] = ([None] * 32, threading.Barrier(lanes, timeout=120))
+        vals, barrier = ex
+        vals[lane] = v
+        barrier.wait()
+        out = list(vals)
+        barrier.wait()  # nobody overwrites a value before every lane has read it
+        return out, lane
+
+    def group_sum(v, width):
+        vals, lane = _warp_values(v)
+        base = lane - lane % width
+        acc = vals[base]
+        for i in range(1, width):
+            if vals[base + i] is None:  # a partial warp: missing lanes contribute nothing
+                break
+            acc = acc + vals[base + i]
+        return type(v)(acc) if isinstance(v, np.generic) else float32(acc)
+
+    def group_max(v, width):
+        vals, lane = _warp_values(v)
+        base = lane - lane % width
+        return max(x for x in vals[base : base + width] if x is not None)
+
+    def warp_max_u64(v):
+        vals, _ = _warp_values(v)
+        return uint64(max(int(x) for x in vals if x is not None))
+
+    def warp_sum_u64(v):
+        vals, _ = _warp_values(v)
+        return uint64(sum(int(x) for x in vals if x is not None))
+
+
+@device
+def warp_sum(v):
+    return group_sum(v, 32)
+
+
+@device
+def warp_max(v):
+    return group_max(v, 32)
+
+
+@cuda.jit(device=True)
+def block_sum(v, scratch):
+    """Sum of v over the block; every thread gets it. scratch: shared float32[>= 33]."""
+    lane = cuda.threadIdx.x % 32
+    warp = cuda.threadIdx.x // 32
+    nwarps = (cuda.blockDim.x + 31) // 32
+    s = warp_sum(v)
+    if lane == 0:
+        scratch[warp] = s
+    cuda.syncthreads()
+    t = scratch[lane] if lane < nwarps else float32(0.0)
+    t = warp_sum(t)
+    if cuda.threadIdx.x == 0:
+        scratch[32] = t
+    cuda.syncthreads()
+    out = scratch[32]
+    cuda.syncthreads()
+    return out
+
+
+@cuda.jit(device=True)
+def block_max(v, scratch):
+    """Max of v over the block; every thread gets it. scratch: shared float32[>= 33]."""
+    lane = cuda.threadIdx.x % 32
+    warp = cuda.threadIdx.x // 32
+    nwarps = (cuda.blockDim.x + 31) // 32
+    s = warp_max(v)
+    if lane == 0:
+        scratch[warp] = s
+    cuda.syncthreads()
+    t = scratch[lane] if lane < nwarps else float32(-np.inf)
+    t = warp_max(t)
+    if cuda.threadIdx.x == 0:
+        scratch[32] = t
+    cuda.syncthreads()
+    out = scratch[32]
+    cuda.syncthreads()
+    return out
+
+
+@cuda.jit(device=True)
+def block_max_u64(v, scratch):
+    """Max of a uint64 over the block; every thread gets it. scratch: shared uint64[>= 33]."""
+    lane = cuda.threadIdx.x % 32
+    warp = cuda.threadIdx.x // 32
+    nwarps = (cuda.blockDim.x + 31) // 32
+    s = warp_max_u64(v)
+    if lane == 0:
+        scratch[warp] = s
+    cuda.syncthreads()
+    t = scratch[lane] if lane < nwarps else uint64(0)
+    t = warp_max_u64(t)
+    if cuda.threadIdx.x == 0:
+        scratch[32] = t
+    cuda.syncthreads()
+    out = scratch[32]
+    cuda.syncthreads()
+    return out
+
+
+@cuda.jit(device=True)
+def block_sum_u64(v, scratch):
+    """Exact sum of a uint64 over the block; every thread gets it. scratch: shared uint64[>= 33]."""
+    lane = cuda.threadIdx.x % 32
+    warp = cuda.threadIdx.x // 32
+    nwarps = (cuda.blockDim.x + 31) // 32
+    s = warp_sum_u64(v)
+    if lane == 0:
+        scratch[warp] = s
+    cuda.syncthreads()
+    t = scratch[lane] if lane < nwarps else uint64(0)
+    t = warp_sum_u64(t)
+    if cuda.threadIdx.x == 0:
+        scratch[32] = t
+    cuda.syncthreads()
+    out = scratch[32]
+    cuda.syncthreads()
+    return out
+
+
+if SIMULATOR:
+
+    def uniform(seed, index):
+        m = (1 << 64) - 1
+        x = (int(seed) + (int(index) + 1) * _GOLDEN_GAMMA) & m
+        x = ((x ^ (x >> 30)) * _MIX1) & m
+        x = ((x ^ (x >> 27)) * _MIX2) & m
+        x ^= x >> 31
+        return np.float32((x >> 40) / float(1 << 24))
+
+else:
+
+    @device
+    def uniform(seed, index):
+        """ninfer.gpu.sampling.uniform in wrapping uint64 arithmetic (seed: uint64)."""
+        x = uint64(seed) + (uint64(index) + uint64(1)) * uint64(_GOLDEN_GAMMA)
+        x = (x ^ (x >> uint64(30))) * uint64(_MIX1)
+        x = (x ^ (x >> uint64(27))) * uint64(_MIX2)
+        x = x ^ (x >> uint64(31))
+        return float32(int32(x >> uint64(40))) * float32(1.0 / (1 << 24))
+
+
+@device
+def order_key(z, index):
+    """A uint64 that sorts (z descending, index ascending) as larger-first.
+
+    Floats map to uint32 monotonically (flip all bits of negatives, the sign bit of
+    non-negatives); -inf and NaN never reach here as candidates.
+    """
+    b = f32_to_bits(z)
+    if b & uint32(0x80000000):
+        b = ~b
+    else:
+        b = b | uint32(0x80000000)
+    return (uint64(b) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(index))

@@ -1,0 +1,511 @@
+"""Every kernel against its numpy reference, at a chosen scale.
+
+`tiny` shapes run under numba's CUDA simulator on any machine (tests/test_cuda_kernels.py
+runs them in a child process with NUMBA_ENABLE_CUDASIM=1); `real` shapes run on a GPU
+(tests/test_gpu_runner.py), where the paths the simulator cannot take run: warp shuffles,
+dp4a, 16-byte loads, mma.sync. Each check draws fresh random inputs, poisons its outputs
+and raises AssertionError with the worst error when a kernel disagrees with its reference.
+
+    python -m ninfer.gpu.cuda.kernel_checks tiny [name ...]   # prints {name: "ok" | traceback}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import traceback
+
+import numpy as np
+from numba import cuda
+
+from ninfer.gpu.cuda import act_quant, attention, dequant, embed, gemm, gemv, norm, pages, rope, sampler, swiglu
+from ninfer.gpu.cuda.device_weights import host_weight, upload_weight
+from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.quant_layout import DEVICE_QTYPES, pack_tensor, random_stored
+from ninfer.models.spec import ModelSpec
+
+QUANT = [q for q in DEVICE_QTYPES if q not in gemv.FLOAT_QTYPES]
+POISON = np.float32(np.nan)
+
+
+def _dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def _poisoned(shape, dtype=np.float32):
+    fill = POISON if np.dtype(dtype).kind == "f" else np.iinfo(dtype).max
+    return cuda.to_device(np.full(shape, fill, dtype))
+
+
+def _weight(packed):
+    return host_weight(packed) if SIMULATOR else upload_weight(packed)
+
+
+def _close(got, want, rtol, name, atol=0.0):
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {got.shape} != {want.shape}")
+    if not np.isfinite(got).all():
+        raise AssertionError(f"{name}: {int((~np.isfinite(got)).sum())} non-finite (unwritten?) outputs")
+    err = np.abs(got - want).max()
+    scale = np.abs(want).max() + 1e-30
+    if err > rtol * scale + atol:
+        raise AssertionError(f"{name}: max error {err:.3g} vs max |ref| {scale:.3g} (rtol {rtol})")
+
+
+def _cols(qtype, tiny):
+    if qtype in ("Q4_K", "Q6_K"):
+        return 256 if tiny else 4096
+    return 64 if tiny else 4096
+
+
+# -- weights ----------------------------------------------------------------------------------
+
+
+def check_dequantize_rows(scale, rng):
+    for q in DEVICE_QTYPES:
+        t = random_stored(q, 3 if scale == "tiny" else 512, _cols(q, scale == "tiny"), rng)
+        out = _poisoned(t.shape)
+        dequant.dequantize_rows(_weight(pack_tensor(t)), out)
+        _close(out.copy_to_host(), t.dequantize(), 0.0, f"dequantize {q}")
+
+
+def check_embed(scale, rng):
+    for q in DEVICE_QTYPES:
+        cols = _cols(q, scale == "tiny")
+        t = random_stored(q, 40 if scale == "tiny" else 4096, cols, rng)
+        toks = rng.integers(0, t.shape[0], 5 if scale == "tiny" else 300).astype(np.int32)
+        out = _poisoned((toks.size, cols))
+        embed.embed(_weight(pack_tensor(t)), _dev(toks), out, toks.size)
+        _close(out.copy_to_host(), embed.embed_ref(t.dequantize(), toks), 0.0, f"embed {q}")
+
+
+# -- linears ----------------------------------------------------------------------------------
+
+
+def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny):
+    cols = _cols(q, tiny)
+    t = random_stored(q, rows, cols, rng)
+    x = rng.standard_normal((num_m, cols)).astype(np.float32)
+    res = rng.standard_normal((num_m, rows)).astype(np.float32)
+    out = _poisoned((num_m, rows))
+    w = _weight(pack_tensor(t))
+    if mode == "q8":
+        xq, xs = act_quant.quantize_q8_ref(x)
+        gemv.gemv(w, _dev(xq.view(np.uint32)), _dev(xs), out, _dev(res), num_m, "q8", lanes=lanes)
+        want = gemv.gemv_q8_ref(t.dequantize(), xq, xs, res)
+    else:
+        gemv.gemv(w, _dev(x), _dev(np.zeros((1, 1), np.float32)), out, None, num_m, "f32", lanes=lanes)
+        want = gemv.gemv_ref(t.dequantize(), x, None)
+    _close(out.copy_to_host(), want, 2e-5, f"gemv {mode} {q} lanes {lanes} m {num_m}")
+
+
+def check_gemv_q8(scale, rng):
+    tiny = scale == "tiny"
+    for i, q in enumerate(QUANT):
+        for lanes in (8, 16, 32) if not tiny else ((8, 16, 32)[i % 3],):
+            for num_m in (1, 11) if tiny else (1, 4, 8, 64):
+                _gemv_case(q, "q8", lanes, num_m, 5 if tiny else 3000, rng, tiny)
+
+
+def check_gemv_f32(scale, rng):
+    tiny = scale == "tiny"
+    for i, q in enumerate(DEVICE_QTYPES):
+        for lanes in ((8, 32)[i % 2],) if tiny else (8, 32):
+            for num_m in (2,) if tiny else (1, 5):
+                _gemv_case(q, "f32", lanes, num_m, 3 if tiny else 2000, rng, tiny)
+
+
+def check_gemm(scale, rng):
+    tiny = scale == "tiny"
+    kinds = ("Q4_1", "Q6_K", "BF16") if tiny else DEVICE_QTYPES
+    for q in kinds:
+        m, n = (3, 70) if tiny else (300, 1000)
+        t = random_stored(q, n, _cols(q, tiny), rng)
+        x = rng.standard_normal((m, t.shape[1])).astype(np.float32)
+        res = rng.standard_normal((m, n)).astype(np.float32)
+        out = _dev(res)
+        gemm.gemm(_weight(pack_tensor(t)), _dev(x), out, out, m)
+        _close(out.copy_to_host(), gemm.gemm_ref(t.dequantize(), x, res), 1e-4, f"gemm {q}")
+
+
+# -- elementwise and norms ------------------------------------------------------------------------
+
+
+def check_rmsnorm(scale, rng):
+    t_rows, d = (3, 96) if scale == "tiny" else (200, 4096)
+    x = rng.standard_normal((t_rows, d)).astype(np.float32) * 3
+    res = rng.standard_normal((t_rows, d)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    rows = np.array([2, 0], np.int32)
+    for mode in ("f32", "q8"):
+        for with_res, with_rows in ((True, False), (False, True)):
+            dx = _dev(x)
+            n = rows.size if with_rows else t_rows
+            out = _poisoned((n, d), np.float32 if mode == "f32" else np.int8)
+            xs = _poisoned((n, 2 * d // 32))
+            norm.rmsnorm(dx, _dev(res), _dev(w), 1e-5, _dev(rows), out, xs, n, mode, with_res, with_rows)
+            ref = norm.rmsnorm_ref(x, res if with_res else None, w, 1e-5, rows if with_rows else None, mode)
+            _close(dx.copy_to_host(), ref[0], 1e-6, "rmsnorm residual")
+            if mode == "f32":
+                _close(out.copy_to_host(), ref[1], 1e-5, "rmsnorm f32")
+            else:
+                _check_q8(out.copy_to_host(), xs.copy_to_host(), ref[1], ref[2], "rmsnorm q8")
+
+
+def _check_q8(xq, xs, want_q, want_s, name):
+    """int8 codes may differ by one where x / dx sits on a rounding boundary."""
+    diff = np.abs(xq.astype(np.int32) - want_q.astype(np.int32))
+    if diff.max() > 1 or (diff > 0).mean() > 0.01:
+        raise AssertionError(f"{name}: {int((diff > 0).sum())} codes differ, max {diff.max()}")
+    _close(xs[:, 0::2], want_s[:, 0::2], 1e-5, f"{name} scales")
+
+
+def check_quantize_rows(scale, rng):
+    m, d = (2, 96) if scale == "tiny" else (100, 14336)
+    x = (rng.standard_normal((m, d)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+    xq, xs = _poisoned((m, d), np.int8), _poisoned((m, 2 * d // 32))
+    act_quant.quantize_rows(_dev(x), xq, xs, m, d)
+    _check_q8(xq.copy_to_host(), xs.copy_to_host(), *act_quant.quantize_q8_ref(x), "quantize_rows")
+
+
+def check_swiglu(scale, rng):
+    t_rows, f = (2, 64) if scale == "tiny" else (100, 14336)
+    gu = (rng.standard_normal((t_rows, 2 * f)) * 4).astype(np.float32)
+    out = _poisoned((t_rows, f))
+    swiglu.swiglu(_dev(gu), out, _poisoned((1, 1)), t_rows, "f32")
+    _close(out.copy_to_host(), swiglu.swiglu_ref(gu, "f32"), 1e-5, "swiglu f32")
+    xq, xs = _poisoned((t_rows, f), np.int8), _poisoned((t_rows, 2 * f // 32))
+    swiglu.swiglu(_dev(gu), xq, xs, t_rows, "q8")
+    _check_q8(xq.copy_to_host(), xs.copy_to_host(), *swiglu.swiglu_ref(gu, "q8"), "swiglu q8")
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+def _spec(scale, **kw):
+    base = dict(arch="llama", num_layers=1, d_model=64, d_ffn=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                vocab_size=64, max_context=64)  # fmt: skip
+    if scale != "tiny":
+        base.update(d_model=1024, num_heads=16, num_kv_heads=8, head_dim=128, max_context=8192)
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+def check_qkv_post(scale, rng):
+    from ninfer.gpu.reference import rope_angles
+
+    for arch, kw, kv_t, inter in (
+        ("llama", {}, np.float16, False),
+        ("qwen2", dict(has_qkv_bias=True), np.float32, False),
+        ("qwen3", dict(has_qk_norm=True), np.float16, False),
+        ("llama", {}, np.float32, True),
+    ):
+        spec = _spec(scale, arch=arch, **kw)
+        t_rows = 3 if scale == "tiny" else 64
+        qkv = rng.standard_normal((t_rows, spec.q_dim + 2 * spec.kv_dim)).astype(np.float32)
+        bias = rng.standard_normal(qkv.shape[1]).astype(np.float32) if spec.has_qkv_bias else None
+        qn, kn = ((1 + 0.1 * rng.standard_normal((2, spec.head_dim))).astype(np.float32) if spec.has_qk_norm else (None, None))
+        pos = rng.integers(0, spec.max_context, t_rows).astype(np.int32)
+        num_pages = 2 * t_rows + 2
+        page = rng.permutation(num_pages)[:t_rows].astype(np.int32)
+        slot = rng.integers(0, 4, t_rows).astype(np.int32)
+        cos, sin = rope_angles(spec, np.arange(spec.max_context))
+        kc = _dev(np.zeros((num_pages, 4, spec.num_kv_heads, spec.head_dim), kv_t))
+        vc = _dev(np.zeros((num_pages, 4, spec.num_kv_heads, spec.head_dim), kv_t))
+        q_out = _poisoned((t_rows, spec.q_dim))
+        f1 = np.zeros(1, np.float32)
+        rope.qkv_post(spec, _dev(qkv), _dev(bias if bias is not None else f1), _dev(qn if qn is not None else f1),
+                      _dev(kn if kn is not None else f1), _dev(cos), _dev(sin), _dev(pos), _dev(page), _dev(slot), q_out,
+                      kc, vc, t_rows, bias is not None, qn is not None, interleaved=inter)  # fmt: skip
+        q, k, v = rope.qkv_post_ref(spec, qkv, bias, qn, kn, cos, sin, pos, inter)
+        tol = 1e-5 if kv_t == np.float32 else 2e-3
+        _close(q_out.copy_to_host(), q, 1e-5, f"qkv_post q {arch}")
+        _close(kc.copy_to_host()[page, slot], k, tol, f"qkv_post k {arch}")
+        _close(vc.copy_to_host()[page, slot], v, tol, f"qkv_post v {arch}")
+
+
+def _paged_case(spec, scale, rng, lengths, kv_t, page_size):
+    """Random K/V for rows of given context lengths, scattered over shuffled pages."""
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per) + 2
+    ids = rng.permutation(num_pages).astype(np.int32)
+    tables = np.zeros((len(lengths), max(pages_per)), np.int32)
+    o = 0
+    for r, n in enumerate(pages_per):
+        tables[r, :n] = ids[o : o + n]
+        o += n
+    shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    kc = rng.standard_normal(shape).astype(kv_t)
+    vc = rng.standard_normal(shape).astype(kv_t)
+
+    def context(r):
+        flat = lambda c: c[tables[r, : pages_per[r]]].reshape(-1, spec.num_kv_heads, spec.head_dim)[: lengths[r]]  # noqa: E731
+        return flat(kc), flat(vc)
+
+    return tables, kc, vc, context
+
+
+def check_attn_decode(scale, rng):
+    tiny = scale == "tiny"
+    for group, kv_t, mode in ((2, np.float32, "f32"), (3, np.float16, "q8")):
+        spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8)
+        split = 8 if tiny else 256
+        lengths = [1, 13, 21] if tiny else [1, 300, 4000, 8192]
+        tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, kv_t, 4 if tiny else 16)
+        q = rng.standard_normal((len(lengths), spec.q_dim)).astype(np.float32)
+        max_splits = -(-max(lengths) // split)
+        o_part = _poisoned((len(lengths), spec.num_heads, max_splits, spec.head_dim))
+        ml = _poisoned((len(lengths), spec.num_heads, max_splits, 2))
+        out = _poisoned((len(lengths), spec.q_dim), np.float32 if mode == "f32" else np.int8)
+        xs = _poisoned((len(lengths), 2 * spec.q_dim // 32))
+        attention.attn_decode(spec, _dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)),
+                              o_part, ml, out, xs, len(lengths), split, mode)  # fmt: skip
+        want = np.concatenate([
+            attention.attention_ref(q[r : r + 1], *context(r), [n - 1], group, spec.head_dim)
+            for r, n in enumerate(lengths)
+        ])  # fmt: skip
+        if mode == "f32":
+            _close(out.copy_to_host(), want, 1e-5, f"attn_decode g{group}")
+        else:
+            got = act_quant.dequantize_q8_ref(out.copy_to_host(), xs.copy_to_host())
+            _close(got, want, 1e-2, f"attn_decode q8 g{group}")
+
+
+def check_attn_prefill(scale, rng):
+    tiny = scale == "tiny"
+    spec = _spec(scale)
+    counts = [20, 1, 5] if tiny else [700, 1, 64, 1000]
+    starts = [6, 9, 0] if tiny else [3000, 5000, 0, 17]
+    lengths = [s + c for s, c in zip(starts, counts)]
+    tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, np.float16, 4 if tiny else 16)
+    q = rng.standard_normal((sum(counts), spec.q_dim)).astype(np.float32)
+    tiles = [_dev(a) for a in attention.plan_tiles(counts, starts)]
+    out = _poisoned(q.shape)
+    attention.attn_prefill(spec, _dev(q), _dev(kc), _dev(vc), _dev(tables), tiles, out, int(tiles[0].shape[0]))
+    o = 0
+    wants = []
+    for r, (s, c) in enumerate(zip(starts, counts)):
+        wants.append(attention.attention_ref(q[o : o + c], *context(r), np.arange(s, s + c), spec.group_size, spec.head_dim))
+        o += c
+    _close(out.copy_to_host(), np.concatenate(wants), 1e-4, "attn_prefill")
+
+
+# -- sampling and pages ------------------------------------------------------------------------------
+
+
+def _sample_specs(vocab, rng):
+    from ninfer.gpu.runner import SampleSpec, SamplingParams
+
+    out = rng.integers(0, vocab, 12)
+    prompt = rng.integers(0, vocab, 20)
+    allowed = rng.random(vocab) < 0.3
+    P = SamplingParams
+    cases = [
+        (P(temperature=0.0), {}),
+        (P(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3), {}),
+        (P(temperature=0.8), {"num_top_logprobs": 5}),
+        (P(temperature=1.0, top_k=7), {}),
+        (P(temperature=1.3, top_p=0.6), {}),
+        (P(temperature=0.7, min_p=0.05), {}),
+        (P(temperature=1.0, top_k=20, top_p=0.9, min_p=0.01, frequency_penalty=0.4), {"num_top_logprobs": 3}),
+        (P(temperature=0.9), {"allowed": allowed}),
+        (P(temperature=0.0), {"allowed": allowed, "num_top_logprobs": 2}),
+    ]
+    specs = []
+    for i, (params, extra) in enumerate(cases):
+        seed = int(rng.integers(0, 2**63)) * 2 + 1
+        specs.append(SampleSpec(params=params, seed=seed, token_index=int(rng.integers(0, 1000)),
+                                prompt_ids=prompt, output_ids=out, **extra))  # fmt: skip
+    return specs
+
+
+def check_sampler(scale, rng):
+    from ninfer.gpu import sampling
+    from ninfer.gpu.runner import MAX_TOP_LOGPROBS
+
+    vocab = 200 if scale == "tiny" else 49152
+    threads = 64 if scale == "tiny" else sampler.THREADS
+    specs = _sample_specs(vocab, rng)
+    rounds = 1 if scale == "tiny" else 20
+    off_exact = 0
+    for _ in range(rounds):
+        logits = (rng.standard_normal((len(specs), vocab)) * 3).astype(np.float32)
+        got = _run_sampler(logits, specs, threads)
+        for r, s in enumerate(specs):
+            want = sampling.sample(logits[r], s)
+            tok, lp, top_ids, top_lp = (g[r] for g in got)
+            if tok != want.token_id and tok != _exact_draw(logits[r], s):
+                off_exact += 1
+            if abs(lp - float(sampling.log_softmax(logits[r])[tok])) > 1e-4:
+                raise AssertionError(f"sampler row {r}: logprob {lp} of token {tok} is wrong")
+            k = s.num_top_logprobs
+            if k and (list(top_ids[:k]) != list(want.top_ids) or np.abs(top_lp[:k] - want.top_logprobs).max() > 1e-4):
+                raise AssertionError(f"sampler row {r}: top logprobs {top_ids[:k]} != {want.top_ids}")
+    # A draw that lands within float rounding of a boundary may go either way: one in 1000.
+    if off_exact > len(specs) * rounds // 1000:
+        raise AssertionError(f"sampler: {off_exact} of {len(specs) * rounds} tokens differ from the reference")
+    assert MAX_TOP_LOGPROBS >= 5
+
+
+def _exact_draw(logits, spec):
+    """The reference's draw with its running sum in float64 instead of float32.
+
+    Over a whole vocabulary a float32 running sum drifts by more than one small token's
+    weight, so the reference and the device (exact integer sums) can pick neighbours; both
+    are then checked against this exact-arithmetic draw.
+    """
+    from ninfer.gpu import sampling
+
+    scores = sampling.apply_mask(sampling.apply_penalties(logits, spec), spec.allowed)
+    if spec.params.is_greedy:
+        return int(np.argmax(scores))
+    ids, w = sampling.kept_candidates(scores, spec)
+    cum = np.cumsum(w.astype(np.float64))
+    u = sampling.uniform(spec.seed, spec.token_index)
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), ids.size - 1)])
+
+
+def _run_sampler(logits, specs, threads):
+    from ninfer.gpu.cuda.buffers import MAX_PENALTY_ENTRIES  # noqa: F401  (layout shared with the runner)
+    from ninfer.gpu.runner import MAX_TOP_LOGPROBS
+
+    n, vocab = logits.shape
+    fpar = np.zeros((n, sampler.NUM_FPAR), np.float32)
+    ipar = np.zeros((n, sampler.NUM_IPAR), np.int32)
+    seeds = np.zeros((n, 2), np.uint64)
+    masks = np.zeros((n, (vocab + 31) // 32), np.uint32)
+    pen_ids, pen_counts = [], []
+    for j, s in enumerate(specs):
+        p = s.params
+        ids, cnt = sampler.penalty_entries(s)
+        start = sum(a.size for a in pen_ids)
+        pen_ids.append(ids)
+        pen_counts.append(cnt)
+        if s.allowed is not None:
+            masks[j] = sampler.pack_mask(s.allowed, masks.shape[1])
+        fpar[j, :6] = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        ipar[j, :5] = (p.top_k, s.num_top_logprobs, int(s.allowed is not None), start, start + ids.size)
+        seeds[j] = (s.seed % 2**64, s.token_index)
+    pid = np.concatenate(pen_ids + [np.zeros(1, np.int32)])
+    pcn = np.concatenate(pen_counts + [np.zeros(1, np.int32)])
+    out_tok, out_lp = _poisoned(n, np.int32), _poisoned(n)
+    top_ids, top_lp = _poisoned((n, MAX_TOP_LOGPROBS), np.int32), _poisoned((n, MAX_TOP_LOGPROBS))
+    args = (_dev(logits), _poisoned(logits.shape), _dev(fpar), _dev(ipar), _dev(seeds), _dev(pid), _dev(pcn),
+            _dev(masks), out_tok, out_lp, top_ids, top_lp)  # fmt: skip
+    sampler.sample(args, n, threads=threads)
+    return out_tok.copy_to_host(), out_lp.copy_to_host(), top_ids.copy_to_host(), top_lp.copy_to_host()
+
+
+def check_pages(scale, rng):
+    layers, num_pages, elems = (2, 6, 40) if scale == "tiny" else (30, 500, 3072)
+    pool = rng.standard_normal((layers, num_pages, elems)).astype(np.float16)
+    src, dst = np.array([1, 4], np.int32), np.array([3, 0], np.int32)
+    d = _dev(pool)
+    pages.page_copy(d, _dev(src), _dev(dst), 2)
+    want = pool.copy()
+    pages.page_copy_ref(want, src, dst)
+    _close(d.copy_to_host(), want, 0.0, "page_copy")
+    stage = _dev(np.zeros((layers, 2, elems), np.float16))
+    pages.page_gather(d, _dev(src), stage, 2)
+    _close(stage.copy_to_host(), want[:, src], 0.0, "page_gather")
+    pages.page_scatter(stage, _dev(np.array([5, 2], np.int32)), d, 2)
+    _close(d.copy_to_host()[:, [5, 2]], want[:, src], 0.0, "page_scatter")
+
+
+# -- the whole runner --------------------------------------------------------------------------------
+
+
+def runner_rows(steps, spec, rng, page_size):
+    """Scripted rows: a long prompt (split into sub-steps), a short one, then decode steps."""
+    from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
+
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in (20, 3)]
+    tables = [np.arange(8, dtype=np.int32) + 8 * r for r in range(2)]
+    spec_of = lambda r, i: SampleSpec(params=greedy, seed=r, token_index=i, want_logits=True, num_top_logprobs=2)  # noqa: E731
+    yield [StepRow(seq_id=r, token_ids=p, start_pos=0, page_table=tables[r], sample=spec_of(r, 0)) for r, p in enumerate(prompts)]
+    pos = [p.size for p in prompts]
+    for i in range(1, steps):
+        toks = yield None
+        yield [StepRow(seq_id=r, token_ids=np.array([toks[r]], np.int32), start_pos=pos[r], page_table=tables[r],
+                       sample=spec_of(r, i)) for r in range(2)]  # fmt: skip
+        pos = [p + 1 for p in pos]
+
+
+def _compare_runners(cuda_runner, ref_runner, spec, rng, steps, rtol):
+    script = runner_rows(steps, spec, rng, cuda_runner.page_size)
+    rows = next(script)
+    for i in range(steps):
+        got, want = cuda_runner.step(rows), ref_runner.step(rows)
+        for g, w in zip(got, want, strict=True):
+            _close(g.logits, w.logits, rtol, f"runner step {i} logits")
+            if g.token_id != w.token_id:
+                raise AssertionError(f"runner step {i}: token {g.token_id} != {w.token_id}")
+            if list(g.top_ids) != list(w.top_ids):
+                raise AssertionError(f"runner step {i}: top ids {g.top_ids} != {w.top_ids}")
+        if i + 1 < steps:
+            next(script)
+            rows = script.send([g.token_id for g in got])
+
+
+def check_runner(scale, rng):
+    from ninfer.gpu.cuda.random_model import random_model, random_spec
+    from ninfer.gpu.cuda.runner import CudaRunner
+    from ninfer.gpu.reference import ReferenceRunner
+
+    configs = (("llama", "Q4_1", "f32", np.float32, 2e-3, 16), ("qwen3", "Q8_0", "q8", np.float16, 3e-2, 8))
+    for arch, qt, acts, kv_t, rtol, max_tokens in configs:
+        extra = dict(arch=arch, has_qk_norm=arch == "qwen3")
+        spec = random_spec("tiny", **extra)
+        model = random_model(spec, qt, seed=int(rng.integers(1 << 30)))
+        cr = CudaRunner(model, num_pages=16, page_size=4, max_batch_rows=4, max_tokens_per_step=max_tokens, activations=acts,
+                        kv_dtype=kv_t, split_len=8, use_graphs=acts == "q8")  # fmt: skip
+        rr = ReferenceRunner(model, num_pages=16, page_size=4)
+        _compare_runners(cr, rr, spec, rng, 2 if scale == "tiny" else 8, rtol)
+        snap = cr.snapshot_pages([0, 1, 2])
+        ref_snap = rr.snapshot_pages([0, 1, 2])
+        _close(snap.arrays[0], ref_snap.arrays[0], 1e-2, "snapshot k", atol=1e-2)
+        cr.restore_pages([5, 6, 7], snap)
+        cr.copy_pages([0], [9])
+        after = cr.snapshot_pages([5, 6, 7, 9])
+        _close(after.arrays[1][:, :3], snap.arrays[1], 0.0, "restore_pages")
+        _close(after.arrays[1][:, 3], snap.arrays[1][:, 0], 0.0, "copy_pages")
+        cr.close()
+
+
+CHECKS = {
+    name[len("check_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("check_") and callable(fn)
+}
+
+
+def run(names, scale: str, seed: int = 0) -> dict[str, str]:
+    results = {}
+    for name in names:
+        try:
+            CHECKS[name](scale, np.random.default_rng([seed, len(name)]))
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=6)
+    return results
+
+
+def main(argv) -> int:
+    scale = argv[0] if argv else "tiny"
+    names = argv[1:] or list(CHECKS)
+    results = run(names, scale)
+    print(json.dumps(results))
+    return 0 if all(v == "ok" for v in results.values()) else 1
+
+
+if __name__ == "__main__":
+    if SIMULATOR:
+        from ninfer.gpu.cuda.simfast import speed_up_simulator
+
+        speed_up_simulator()
+    raise SystemExit(main(sys.argv[1:]))
+
+
+

@@ -1,0 +1,254 @@
+"""`CudaRunner`: the `Runner` protocol on numba.cuda, matching `ReferenceRunner`'s semantics.
+
+Weights stay in stored form on the device; the KV pool is [layers, pages + 1, page_size,
+kv_heads, head_dim] of `kv_dtype` (float16 by default, float32 for an exact pool), the extra
+page absorbing the padding rows of graph buckets. A step is split into sub-steps that fit the
+buffers; each sub-step is staged (host mirrors -> device), run (a captured CUDA graph for
+all-decode batches, eager launches otherwise) and its sampled tokens copied back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numba import cuda
+
+from ninfer.gpu import sampling
+from ninfer.gpu.cuda import pages
+from ninfer.gpu.cuda.buffers import Limits, StepBuffers
+from ninfer.gpu.cuda.device_model import upload_model
+from ninfer.gpu.cuda.forward import Forward, StepPlan
+from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.staging import Piece, fetch_outputs, plan_pieces, stage_inputs
+from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
+
+
+class CudaRunner:
+    """`Runner` on one CUDA GPU (or, at tiny shapes, numba's CUDA simulator)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        num_pages: int,
+        page_size: int = 16,
+        max_batch_rows: int = 64,
+        max_tokens_per_step: int = 4096,
+        max_context: int | None = None,
+        kv_dtype=np.float16,
+        activations: str = "q8",
+        use_graphs: bool = True,
+        split_len: int | None = None,
+        sampler_threads: int | None = None,
+        progress: bool = False,
+    ):
+        """`activations`: 'q8' runs decode linears on int8 activations with dp4a (fast),
+        'f32' on float activations (closest to the reference). Prefill (more than 8 tokens)
+        always uses the f16 tensor-core GEMM. `max_context` (default the model's) sizes the
+        page tables, RoPE tables and attention scratch; longer positions are rejected."""
+        from ninfer.gpu.reference import _spec_and_weights, rope_angles
+
+        spec, weights = _spec_and_weights(model)
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
+        if activations not in ("q8", "f32"):
+            raise ValueError(f"activations must be 'q8' or 'f32', got {activations!r}")
+        if spec.head_dim % 32:
+            raise ValueError(f"the CUDA kernels need head_dim to be a multiple of 32, got {spec.head_dim}")
+        self.spec = spec
+        self.max_context = min(max_context or spec.max_context, spec.max_context)
+        split_len = split_len or _split_len(self.max_context)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.stream = cuda.stream()
+        self.model = upload_model(spec, weights, stream=self.stream, progress=progress)
+        max_tokens = max(max_tokens_per_step, max_batch_rows)
+        self.limits = Limits(
+            alloc_tokens=_token_bucket(max_tokens + max_batch_rows),
+            max_tokens=max_tokens,
+            max_rows=max_batch_rows,
+            max_pages_per_row=-(-self.max_context // page_size),
+            max_splits=-(-self.max_context // split_len),
+        )
+        self.bufs = StepBuffers(spec, self.limits)
+        kv_shape = (spec.num_layers, num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
+        self.k_pool = _zeros(kv_shape, self.kv_dtype, self.stream)
+        self.v_pool = _zeros(kv_shape, self.kv_dtype, self.stream)
+        cos, sin = rope_angles(spec, np.arange(self.max_context))
+        self._cos = cuda.to_device(np.ascontiguousarray(cos), stream=self.stream)
+        self._sin = cuda.to_device(np.ascontiguousarray(sin), stream=self.stream)
+        threads = sampler_threads or (64 if SIMULATOR else 512)
+        self.forward = Forward(spec, self.model, self.bufs, self.k_pool, self.v_pool, self._cos, self._sin,
+                               q8=activations == "q8", split_len=split_len, sampler_threads=threads)  # fmt: skip
+        # Graph buckets pad batches to fixed shapes; the simulator pads too (no graphs there),
+        # so the padding itself is tested without a GPU.
+        self.use_graphs = use_graphs
+        self._graphs = None
+        if use_graphs and not SIMULATOR:
+            from ninfer.gpu.cuda.graphs import GraphCache
+
+            self._graphs = GraphCache(self.stream)
+        self._warm: set[int] = set()
+        self.stream.synchronize()
+
+    # -- Runner protocol ------------------------------------------------------------------------
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one page holds over all layers (K and V)."""
+        return self.page_size * self.spec.kv_bytes_per_token(self.kv_dtype.itemsize)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.model.nbytes
+
+    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """Run one forward over the batch; one result per row, None where row.sample is None."""
+        self._validate(rows)
+        results: list[SampledToken | None] = [None] * len(rows)
+        for batch in plan_pieces(rows, self.limits, self.page_size):
+            for piece, token in zip(batch, self._run(rows, batch), strict=True):
+                if token is not None:
+                    results[piece.row] = token
+        return results
+
+    def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
+        """Copy the pages' KV to host memory: (k, v) [layers, n, page_size, kv_heads, head_dim]."""
+        ids = self._page_ids(page_ids)
+        n = ids.size
+        out = []
+        for pool in (self.k_pool, self.v_pool):
+            stage = cuda.device_array((pool.shape[0], max(n, 1), self._page_elems), self.kv_dtype, stream=self.stream)
+            pages.page_gather(self._pool3(pool), cuda.to_device(ids, stream=self.stream), stage, n, self.stream)
+            host = stage.copy_to_host(stream=self.stream)
+            out.append(host[:, :n].reshape(pool.shape[0], n, *pool.shape[2:]))
+        self.stream.synchronize()
+        return PageSnapshot(tuple(out))
+
+    def restore_pages(self, page_ids: Sequence[int], snapshot: PageSnapshot) -> None:
+        """Write a snapshot back into (possibly different) pages, in the same order."""
+        ids = self._page_ids(page_ids)
+        k, v = snapshot.arrays
+        if k.shape[1] != ids.shape[0]:
+            raise ValueError(f"snapshot holds {k.shape[1]} pages, restore asked for {ids.shape[0]}")
+        d_ids = cuda.to_device(ids, stream=self.stream)
+        for pool, arr in ((self.k_pool, k), (self.v_pool, v)):
+            flat = np.ascontiguousarray(arr, self.kv_dtype).reshape(pool.shape[0], ids.size, self._page_elems)
+            stage = cuda.to_device(flat, stream=self.stream)
+            pages.page_scatter(stage, d_ids, self._pool3(pool), ids.size, self.stream)
+        self.stream.synchronize()
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Device-side page copy src[i] -> dst[i] (copy-on-write of a shared tail page)."""
+        src, dst = self._page_ids(src_ids), self._page_ids(dst_ids)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_pages got {src.shape[0]} sources and {dst.shape[0]} destinations")
+        d_src, d_dst = cuda.to_device(src, stream=self.stream), cuda.to_device(dst, stream=self.stream)
+        for pool in (self.k_pool, self.v_pool):
+            pages.page_copy(self._pool3(pool), d_src, d_dst, src.size, self.stream)
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        """Release graphs and device memory."""
+        if self._graphs is not None:
+            self._graphs.close()
+        self.stream.synchronize()
+        self.k_pool = self.v_pool = None
+        self.forward = self.bufs = self.model = None
+
+    # -- one sub-step -----------------------------------------------------------------------------
+
+    def _run(self, rows: Sequence[StepRow], batch: list[Piece]) -> list[SampledToken | None]:
+        decode = all(p.count == 1 for p in batch)
+        key = self._graph_key(batch, decode) if self.use_graphs else None
+        pad_rows, pad_tokens = (key[1], key[2]) if key else (None, None)
+        staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
+        plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
+                        decode=decode, num_tiles=staged.num_tiles)  # fmt: skip
+        if key is None or self._graphs is None:
+            self.forward.launch(plan, self.stream)
+        elif key in self._graphs:
+            self._graphs.replay(key)
+        else:
+            # first use of this bucket: compile and run eagerly, then record it for next time
+            self.forward.launch(plan, self.stream)
+            self._graphs.capture(key, lambda: self.forward.launch(plan, self.stream))
+        return fetch_outputs(self.bufs, rows, batch, staged, self.stream)
+
+    def _graph_key(self, batch: list[Piece], decode: bool):
+        """(kind, rows, tokens) of the bucket this sub-batch is padded to and replayed in."""
+        rows = _bucket(len(batch), self.limits.max_rows)
+        if decode:
+            return ("decode", rows, rows)
+        tokens = sum(p.count for p in batch) + rows - len(batch)
+        return ("prefill", rows, _token_bucket(tokens))
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _validate(self, rows: Sequence[StepRow]) -> None:
+        for row in rows:
+            n = len(row.token_ids)
+            if n < 1:
+                raise ValueError(f"row of sequence {row.seq_id} has no tokens")
+            end = row.start_pos + n
+            if end > self.max_context:
+                raise ValueError(f"position {end - 1} is past the context limit {self.max_context}")
+            if len(row.page_table) * self.page_size < end:
+                raise ValueError(f"sequence {row.seq_id}: {len(row.page_table)} pages cannot hold {end} positions")
+            ids = np.asarray(row.token_ids)
+            if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+                raise ValueError(f"sequence {row.seq_id}: token ids must be in [0, {self.spec.vocab_size})")
+            s = row.sample
+            if s is not None and s.allowed is not None and not np.asarray(s.allowed, bool).any():
+                raise sampling.NoAllowedToken("the grammar allows no next token, so nothing can be sampled")
+
+    def _page_ids(self, page_ids) -> np.ndarray:
+        ids = np.asarray(page_ids, dtype=np.int32).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
+            raise ValueError(f"page ids must be in [0, {self.num_pages})")
+        return ids
+
+    @property
+    def _page_elems(self) -> int:
+        return self.page_size * self.spec.num_kv_heads * self.spec.head_dim
+
+    def _pool3(self, pool):
+        return pool.reshape(pool.shape[0], pool.shape[1], self._page_elems)
+
+
+def _zeros(shape, dtype, stream):
+    """A zero-filled device array, cleared on the device (no host-sized temporary)."""
+    if SIMULATOR:
+        return cuda.to_device(np.zeros(shape, dtype), stream=stream)
+    from ninfer.gpu.cuda.graphs import check, stream_handle
+    from cuda.bindings import driver
+
+    arr = cuda.device_array(shape, dtype=dtype, stream=stream)
+    check(driver.cuMemsetD8Async(arr.__cuda_array_interface__["data"][0], 0, arr.nbytes, stream_handle(stream)))
+    return arr
+
+
+def _bucket(n: int, max_rows: int) -> int:
+    return min(1 << (n - 1).bit_length(), max_rows)
+
+
+def _token_bucket(n: int) -> int:
+    """Powers of two up to 512 tokens, then multiples of 512 (at most ~2x padding work)."""
+    return 1 << (n - 1).bit_length() if n <= 512 else -(-n // 512) * 512
+
+
+def _split_len(max_context: int) -> int:
+    """Positions per decode-attention split: 256, or more so there are at most 64 splits."""
+    return max(256, -(-max_context // (64 * 256)) * 256)
+
+
+def auto_num_pages(spec, page_size: int, *, memory_fraction: float = 0.5, kv_dtype=np.float16) -> int:
+    """KV pages for `memory_fraction` of the GPU memory free now (call before loading the
+    model), capped at 64 full-context sequences and at least one."""
+    free, _total = cuda.current_context().get_memory_info()
+    page_bytes = page_size * spec.kv_bytes_per_token(np.dtype(kv_dtype).itemsize)
+    per_seq = -(-min(spec.max_context, 8192) // page_size)
+    return int(max(per_seq, min(int(free * memory_fraction) // page_bytes, 64 * per_seq)))
+

@@ -1,0 +1,262 @@
+"""On-device sampling with the semantics of `ninfer.gpu.sampling` (steps 1-7 there).
+
+One block per sampled row. The raw log-softmax statistics come first (logprob read-out), then
+the penalised and masked copy of the logits (`scores`), then greedy arg-max or the filtered
+draw. Filters and the draw never sort: the draw order (z desc, id asc) is a total order on
+64-bit keys (`order_key`), every filter keeps a prefix of it, and a prefix is found as the
+largest key threshold whose mass (count, or fixed-point weight) reaches a target, by binary
+search over the 32-bit value half of the key plus a tie step over ids. Weights are summed as
+exact integers (w * 2^40), so results do not depend on thread order; they differ from the
+reference's float32 running sums only when a draw lands within ~1e-7 of a boundary, and
+tokens whose weight is under 2^-40 of the top one are never drawn.
+
+Per-row inputs (host packed): `fpar` [S, 8] float32 = temperature, top_p, min_p, presence,
+frequency, repetition; `ipar` [S, 8] int32 = top_k, num_top_logprobs, has_mask, pen_start,
+pen_end; `seeds` [S, 2] uint64 = seed, token_index; penalty entries `pen_ids` / `pen_counts`
+(unique ids of prompt + output, with their output counts); `masks` [S, ceil(V / 32)] uint32
+bit masks (bit i of word i // 32: token allowed).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, float64, int32, types, uint32, uint64
+
+from ninfer.gpu.cuda.intrinsics import (
+    device,
+    block_max,
+    block_max_u64,
+    block_sum,
+    block_sum_u64,
+    f32_to_bits,
+    order_key,
+    uniform,
+)
+
+THREADS = 512  # the kernel needs ~71 registers: 1024 threads would exceed the 64k-register file
+FIXED_ONE = float64(2.0**40)
+NUM_FPAR = 8
+NUM_IPAR = 8
+
+
+@device
+def value_key(z):
+    """The order-preserving uint32 of a float (larger z -> larger key)."""
+    b = f32_to_bits(z)
+    if b & uint32(0x80000000):
+        return ~b
+    return b | uint32(0x80000000)
+
+
+@device
+def element(scores, r, i, temp, zmax):
+    """(value key, weight, fixed-point weight) of token i in the draw."""
+    z = scores[r, i] / temp
+    w = math.exp(z - zmax)
+    return value_key(z), w, uint64(float64(w) * FIXED_ONE)
+
+
+@cuda.jit(device=True)
+def partial_mass(scores, r, temp, zmax, min_p, tau_min, weighted, cmp, v_thr, id_thr, threads):
+    """This thread's share of the mass of kept tokens passing the comparison `cmp`.
+
+    kept: w > 0, w >= min_p (when min_p > 0) and key >= tau_min. cmp 0: value key >= v_thr;
+    cmp 1: value key == v_thr; cmp 2: value key == v_thr and id <= id_thr.
+    """
+    acc = uint64(0)
+    for i in range(cuda.threadIdx.x, scores.shape[1], threads):
+        vk, w, wfp = element(scores, r, i, temp, zmax)
+        if w <= float32(0.0) or (min_p > float32(0.0) and w < min_p):
+            continue
+        if ((uint64(vk) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(i))) < tau_min:
+            continue
+        ok = vk >= v_thr if cmp == 0 else (vk == v_thr and (cmp == 1 or i <= id_thr))
+        if ok:
+            acc += wfp if weighted else uint64(1)
+    return acc
+
+
+@cuda.jit(device=True)
+def select_prefix(scores, r, temp, zmax, min_p, tau_min, weighted, target, scratch, threads):
+    """Key of the last token of the shortest prefix (among kept tokens) with mass >= target.
+
+    Returns 0 (keep everything) when the kept tokens' whole mass is below target.
+    """
+    total = block_sum_u64(partial_mass(scores, r, temp, zmax, min_p, tau_min, weighted, 0, uint32(0), 0, threads), scratch)
+    if total < target:
+        return uint64(0)
+    lo = uint64(0)
+    hi = uint64(0xFFFFFFFF)
+    while lo < hi:
+        mid = lo + (hi - lo + uint64(1)) // uint64(2)
+        f = block_sum_u64(partial_mass(scores, r, temp, zmax, min_p, tau_min, weighted, 0, uint32(mid), 0, threads), scratch)
+        if f >= target:
+            lo = mid
+        else:
+            hi = mid - uint64(1)
+    v = uint32(lo)
+    above = uint64(0)
+    if lo < uint64(0xFFFFFFFF):
+        above = block_sum_u64(
+            partial_mass(scores, r, temp, zmax, min_p, tau_min, weighted, 0, uint32(lo + uint64(1)), 0, threads), scratch
+        )
+    need = target - above
+    count = block_sum_u64(partial_mass(scores, r, temp, zmax, min_p, tau_min, False, 1, v, 0, threads), scratch)
+    if count == uint64(1):
+        best = uint64(0)
+        for i in range(cuda.threadIdx.x, scores.shape[1], threads):
+            vk, w, wfp = element(scores, r, i, temp, zmax)
+            key = (uint64(vk) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(i))
+            if vk == v and w > float32(0.0) and not (min_p > float32(0.0) and w < min_p) and key >= tau_min:
+                best = key
+        return block_max_u64(best, scratch)
+    # ties on the value: the lowest ids of the group, as many as the remaining mass needs
+    a = 0
+    b = scores.shape[1] - 1
+    while a < b:
+        mid = (a + b) // 2
+        g = block_sum_u64(partial_mass(scores, r, temp, zmax, min_p, tau_min, weighted, 2, v, mid, threads), scratch)
+        if g >= need:
+            b = mid
+        else:
+            a = mid + 1
+    return (uint64(v) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(a))
+
+
+@device
+def key_id(key):
+    return int32(uint32(0xFFFFFFFF) - uint32(key & uint64(0xFFFFFFFF)))
+
+
+def make_sampler(threads: int = THREADS):
+    def sample_rows(logits, scores, fpar, ipar, seeds, pen_ids, pen_counts, masks, out_tok, out_lp, top_ids, top_lp):
+        r = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        vocab = logits.shape[1]
+        fs = cuda.shared.array(33, float32)
+        us = cuda.shared.array(33, types.uint64)
+        temp = fpar[r, 0]
+        has_mask = ipar[r, 2] != 0
+        plain = not has_mask and ipar[r, 3] == ipar[r, 4]  # no mask, no penalty: scores = logits
+        # 1. raw log-softmax statistics (and, when plain and greedy, the arg-max on the way)
+        mx = float32(-math.inf)
+        best = uint64(0)
+        for i in range(tid, vocab, threads):
+            v = logits[r, i]
+            mx = max(mx, v)
+            if plain:
+                best = max(best, order_key(v, i))
+        big = block_max(mx, fs)
+        s = float32(0.0)
+        for i in range(tid, vocab, threads):
+            s += math.exp(logits[r, i] - big)
+        log_total = math.log(block_sum(s, fs))
+        # 2.-4. scores: grammar mask, then penalties over unique ids (one thread per id)
+        src = logits
+        if not plain:
+            for i in range(tid, vocab, threads):
+                v = logits[r, i]
+                if has_mask and ((masks[r, i >> 5] >> uint32(i & 31)) & uint32(1)) == 0:
+                    v = float32(-math.inf)
+                scores[r, i] = v
+            cuda.syncthreads()
+            rep = fpar[r, 5]
+            for e in range(ipar[r, 3] + tid, ipar[r, 4], threads):
+                i = pen_ids[e]
+                c = pen_counts[e]
+                v = scores[r, i]
+                if rep != float32(1.0):
+                    v = v / rep if v > float32(0.0) else v * rep
+                if c > 0:
+                    v = v - (fpar[r, 4] * float32(c) + fpar[r, 3])
+                scores[r, i] = v
+            cuda.syncthreads()
+            src = scores
+        # 5.-7. greedy, or filter and draw
+        if temp == float32(0.0):
+            if not plain:
+                for i in range(tid, vocab, threads):
+                    best = max(best, order_key(src[r, i], i))
+            tok = key_id(block_max_u64(best, us))
+        else:
+            zm = float32(-math.inf)
+            for i in range(tid, vocab, threads):
+                zm = max(zm, src[r, i] / temp)
+            zmax = block_max(zm, fs)
+            top_p = fpar[r, 1]
+            min_p = fpar[r, 2]
+            top_k = ipar[r, 0]
+            tau = uint64(0)
+            if top_k > 0:
+                tau = select_prefix(src, r, temp, zmax, float32(0.0), uint64(0), False, uint64(top_k), us, threads)
+            if top_p < float32(1.0):
+                wk = block_sum_u64(partial_mass(src, r, temp, zmax, float32(0.0), tau, True, 0, uint32(0), 0, threads), us)
+                target = uint64(max(math.ceil(float64(top_p) * float64(wk)), 1.0))
+                tau = max(tau, select_prefix(src, r, temp, zmax, float32(0.0), tau, True, target, us, threads))
+            kept = block_sum_u64(partial_mass(src, r, temp, zmax, min_p, tau, True, 0, uint32(0), 0, threads), us)
+            u = uniform(seeds[r, 0], seeds[r, 1])
+            target = uint64(float64(u) * float64(kept)) + uint64(1)
+            tok = key_id(select_prefix(src, r, temp, zmax, min_p, tau, True, target, us, threads))
+        if tid == 0:
+            out_tok[r] = tok
+            out_lp[r] = logits[r, tok] - big - log_total
+        # top log-probabilities of the raw distribution, best first, ties to the lower id
+        prev = uint64(0xFFFFFFFFFFFFFFFF)
+        for k in range(ipar[r, 1]):
+            best = uint64(0)
+            for i in range(tid, vocab, threads):
+                key = order_key(logits[r, i], i)
+                if key < prev:
+                    best = max(best, key)
+            prev = block_max_u64(best, us)
+            if tid == 0:
+                t = key_id(prev)
+                top_ids[r, k] = t
+                top_lp[r, k] = logits[r, t] - big - log_total
+
+    return sample_rows
+
+
+@functools.cache
+def sampler_kernel(threads: int = THREADS):
+    return cuda.jit(make_sampler(threads))
+
+
+def sample(bufs, num_rows: int, stream=0, threads: int = THREADS) -> None:
+    """Launch over `num_rows` rows; `bufs` holds the arrays named in the kernel signature."""
+    sampler_kernel(threads)[num_rows, threads, stream](*bufs)
+
+
+def pack_mask(allowed: np.ndarray, num_words: int) -> np.ndarray:
+    """bool [vocab] -> uint32 [num_words], bit i of word i // 32 set when token i is allowed."""
+    bits = np.packbits(np.asarray(allowed, bool), bitorder="little")
+    out = np.zeros(num_words * 4, np.uint8)
+    out[: bits.size] = bits
+    return out.view(np.uint32)
+
+
+def penalty_entries(spec) -> tuple[np.ndarray, np.ndarray]:
+    """(unique ids, output counts) a SampleSpec's penalties touch (empty when none apply)."""
+    params = spec.params
+    out = np.zeros(0, np.int64) if spec.output_ids is None else np.asarray(spec.output_ids, np.int64).reshape(-1)
+    prompt = np.zeros(0, np.int64) if spec.prompt_ids is None else np.asarray(spec.prompt_ids, np.int64).reshape(-1)
+    use_rep = params.repetition_penalty != 1.0
+    use_out = bool(params.presence_penalty or params.frequency_penalty)
+    if not use_rep and not (use_out and out.size):
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    ids = np.unique(np.concatenate([prompt, out]) if use_rep else out)
+    counts = np.zeros(ids.size, np.int32)
+    if use_out and out.size:
+        uo, co = np.unique(out, return_counts=True)
+        counts[np.searchsorted(ids, uo)] = co
+    return ids.astype(np.int32), counts
+
+
+def ptx_cases():
+    f2 = types.float32[:, ::1]
+    i1, i2 = types.int32[::1], types.int32[:, ::1]
+    sig = (f2, f2, f2, i2, types.uint64[:, ::1], i1, i1, types.uint32[:, ::1], i1, types.float32[::1], i2, f2)
+    return [("sample_rows", make_sampler(), sig)]

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
+# model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
+#   scripts/device_run.sh [STAGES] [pytest -k expression]
+# STAGES: comma-separated among profile, bench, bench8b, tests (default: bench,bench8b,tests)
+# Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
+# The model arrives in two parts over two consecutive calls (each carries one of
+# .stage/smollm2.part00 / part01); parts are kept in /tmp/ninfer-stage while the machine is warm.
+set -uo pipefail
+WHAT=,${1:-bench,bench8b,tests},
+export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+KEXPR=${2:-}
+OUT=${OUT:-/tmp/ninfer-out}
+mkdir -p "$OUT" /tmp/ninfer-stage
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH=/tmp/site:$PWD
+cp -n .stage/smollm2.part* .stage/smollm2.sha256 /tmp/ninfer-stage/ 2>/dev/null || true
+GGUF=/tmp/ninfer-stage/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$GGUF" ] && [ -f /tmp/ninfer-stage/smollm2.part00 ] && [ -f /tmp/ninfer-stage/smollm2.part01 ]; then
+  cat /tmp/ninfer-stage/smollm2.part00 /tmp/ninfer-stage/smollm2.part01 > "$GGUF"
+  [ "$(sha256sum "$GGUF" | awk '{print $1}')" = "$(cat /tmp/ninfer-stage/smollm2.sha256)" ] || { echo "model checksum mismatch"; rm -f "$GGUF"; }
+fi
+[ -f "$GGUF" ] && export NINFER_TEST_GGUF=$GGUF
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)" | tee -a "$OUT/gpu.txt"
+
+has() { [[ "$WHAT" == *",$1,"* ]]; }
+if has profile; then
+  MODEL_ARG=${NINFER_TEST_GGUF:-}
+  timeout ${PROFILE_S:-90} python3 -m ninfer.gpu.cuda.profile $MODEL_ARG --streams 1,16,64 --json "$OUT/profile_smollm2.json" 2>&1 | tee "$OUT/profile_smollm2.txt"
+  timeout ${PROFILE8B_S:-120} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --streams 1,16 --steps 10 --json "$OUT/profile_8b.json" 2>&1 | tee "$OUT/profile_8b.txt"
+fi
+if has bench; then
+  if [ -n "${NINFER_TEST_GGUF:-}" ]; then
+    timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench "$NINFER_TEST_GGUF" --backend cuda --anchors llamacpp-h200 \
+      --json "$OUT/bench_smollm2.json" 2>&1 | tee "$OUT/bench_smollm2.txt"
+  else
+    timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench --random smollm2-135m --backend cuda --anchors llamacpp-h200 \
+      --json "$OUT/bench_random_smollm2.json" 2>&1 | tee "$OUT/bench_random_smollm2.txt"
+  fi
+fi
+if has bench8b; then
+  timeout ${BENCH8B_S:-150} python3 -m ninfer.cli.bench --random llama3-8b --random-qtype Q4_1 --backend cuda --streams 1,16 \
+    --prompt-lens 512 --decode-tokens 64 --repeats 2 --json "$OUT/bench_8b_q4_1.json" 2>&1 | tee "$OUT/bench_8b_q4_1.txt"
+fi
+if has tests; then
+  SEL=(-m gpu)
+  [ -n "$KEXPR" ] && SEL+=(-k "$KEXPR")
+  timeout ${TESTS_S:-300} python3 -m pytest tests/test_gpu_runner.py "${SEL[@]}" -q -p no:cacheprovider --timeout 240 -rfE \
+    2>&1 | tee "$OUT/pytest.log" | tail -60
+fi

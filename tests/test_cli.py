@@ -1,0 +1,130 @@
+"""The `ninfer` command as a user runs it: a real subprocess on the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NINFER = [sys.executable, "-m", "ninfer.cli.main"]
+COMMANDS = ("serve", "generate", "chat", "pull", "models", "bench", "simulate")
+
+
+def ninfer(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*NINFER, *args], input=stdin, capture_output=True, text=True, timeout=900,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    last = lines[-1]
+    for needle in needles:
+        assert needle in last, result.stderr
+
+
+def test_help_lists_every_command():
+    result = ninfer("--help")
+    assert result.returncode == 0
+    for command in COMMANDS:
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command):
+    result = ninfer(command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "usage: ninfer " + command in result.stdout
+
+
+def test_generate_answers_paris(smollm2_path):
+    result = ninfer("generate", str(smollm2_path), "-p", "What is the capital of France?",
+                    "--temperature", "0", "--max-tokens", "24")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    report = result.stderr.strip().splitlines()[-1]
+    assert "prompt" in report and "generated" in report and "tok/s" in report
+
+
+def test_generate_json_reports_tokens_usage_and_timings(smollm2_path):
+    result = ninfer("generate", str(smollm2_path), "-p", "Count: one, two,", "--raw",
+                    "--temperature", "0", "--max-tokens", "5", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["finish_reason"] in ("stop", "length")
+    assert out["usage"]["completion_tokens"] == len(out["token_ids"]) <= 5
+    assert out["usage"]["prompt_tokens"] > 0
+    assert out["timings"]["ttft_s"] <= out["timings"]["total_s"]
+    from ninfer.models.loader import load_model
+
+    tokenizer = load_model(smollm2_path).tokenizer
+    assert tokenizer.decode(out["token_ids"], skip_special_tokens=True).startswith(out["text"])
+
+
+def test_chat_reads_turns_from_a_pipe(smollm2_path):
+    turns = "What is the capital of France?\n/system You answer in one word.\n/bogus\n/exit\n"
+    result = ninfer("chat", str(smollm2_path), "--temperature", "0", "--max-tokens", "16", stdin=turns)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "system message set" in result.stdout
+    assert "unknown command /bogus" in result.stdout
+
+
+def test_missing_model_file_is_one_line():
+    assert_one_line_error(ninfer("generate", "/nonexistent/model.gguf", "-p", "hi"), "/nonexistent/model.gguf")
+
+
+def test_truncated_model_file_is_one_line(smollm2_path, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as src:
+        cut.write_bytes(src.read(5_000_000))
+    assert_one_line_error(ninfer("generate", str(cut), "-p", "hi"), "cut.gguf")
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_one_line_error(ninfer("generate", str(path), "-p", "hi"), "mamba")
+
+
+def test_prompt_longer_than_context_is_one_line(smollm2_path):
+    result = ninfer("generate", str(smollm2_path), "--raw", "-p", "word " * 300, "--max-context", "128")
+    assert_one_line_error(result, "128")
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--kv-capacity", "lots"], "--kv-capacity"),
+        (["--backend", "tpu"], "--backend"),
+    ],
+)
+def test_invalid_flag_values_are_one_line(flags, needle):
+    result = ninfer("generate", "-p", "hi", *flags)
+    assert result.returncode == 2
+    assert_one_line_error(result, needle)
+
+
+def test_messages_file_must_be_a_list(tmp_path):
+    bad = tmp_path / "m.json"
+    bad.write_text('{"role": "user"}')
+    assert_one_line_error(ninfer("generate", "--messages", str(bad)), "m.json")
