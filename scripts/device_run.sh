@@ -2,7 +2,8 @@
 # Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated among profile, bench, bench8b, tests (default: bench,bench8b,tests)
+# STAGES: comma-separated among dmon, ncu, profile, bench, bench8b, tests
+#         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
 # .stage/smollm2.part00 / part01); parts are kept in /tmp/ninfer-stage while the machine is warm.
@@ -29,23 +30,37 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 python3 -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)" | tee -a "$OUT/gpu.txt"
 
 has() { [[ "$WHAT" == *",$1,"* ]]; }
+if has dmon; then  # SM / memory clocks and power once a second while the rest runs
+  nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.txt" 2>&1 &
+fi
+if has ncu; then  # device time of every kernel of one captured decode step
+  NCU="ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv"
+  timeout ${NCU_S:-120} $NCU python3 -m ninfer.gpu.cuda.profile ${NINFER_TEST_GGUF:-} --ncu --streams 1,64 > "$OUT/ncu_smollm2.csv" 2>&1
+  [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m ninfer.gpu.cuda.profile --random llama3-8b --ncu --streams 1 > "$OUT/ncu_8b.csv" 2>&1
+  tail -n 3 "$OUT"/ncu_*.csv
+fi
 if has profile; then
   MODEL_ARG=${NINFER_TEST_GGUF:-}
-  timeout ${PROFILE_S:-90} python3 -m ninfer.gpu.cuda.profile $MODEL_ARG --streams 1,16,64 --json "$OUT/profile_smollm2.json" 2>&1 | tee "$OUT/profile_smollm2.txt"
-  timeout ${PROFILE8B_S:-120} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --streams 1,16 --steps 10 --json "$OUT/profile_8b.json" 2>&1 | tee "$OUT/profile_8b.txt"
+  timeout ${PROFILE_S:-90} python3 -m ninfer.gpu.cuda.profile $MODEL_ARG --streams 1,16,64 2>&1 | grep -v "uploading weights" | tee "$OUT/profile.txt"
+  timeout ${PROFILE8B_S:-120} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --streams 1,16 --steps 10 2>&1 | grep -v "uploading weights" | tee -a "$OUT/profile.txt"
 fi
 if has bench; then
   if [ -n "${NINFER_TEST_GGUF:-}" ]; then
     timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench "$NINFER_TEST_GGUF" --backend cuda --anchors llamacpp-h200 \
       --json "$OUT/bench_smollm2.json" 2>&1 | tee "$OUT/bench_smollm2.txt"
   else
-    timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench --random smollm2-135m --backend cuda --anchors llamacpp-h200 \
-      --json "$OUT/bench_random_smollm2.json" 2>&1 | tee "$OUT/bench_random_smollm2.txt"
+    for ACT in ${ACTS:-f32}; do
+      timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench --random smollm2-135m --backend cuda --anchors llamacpp-h200 \
+        --activations $ACT 2>&1 | grep -v "uploading weights" | tee -a "$OUT/bench_smollm2.txt"
+    done
   fi
 fi
 if has bench8b; then
-  timeout ${BENCH8B_S:-150} python3 -m ninfer.cli.bench --random llama3-8b --random-qtype Q4_1 --backend cuda --streams 1,16 \
-    --prompt-lens 512 --decode-tokens 64 --repeats 2 --json "$OUT/bench_8b_q4_1.json" 2>&1 | tee "$OUT/bench_8b_q4_1.txt"
+  for ACT in ${ACTS8B:-${ACTS:-f32}}; do
+    timeout ${BENCH8B_S:-150} python3 -m ninfer.cli.bench --random llama3-8b --random-qtype Q4_1 --backend cuda \
+      --streams 1,16 --prompt-lens 512 --decode-tokens 64 --repeats 2 --activations $ACT 2>&1 \
+      | grep -v "uploading weights" | tee -a "$OUT/bench_8b_q4_1.txt"
+  done
 fi
 if has tests; then
   SEL=(-m gpu)

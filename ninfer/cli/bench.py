@@ -53,7 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--random", metavar="SHAPE", help="random weights of a known shape instead of MODEL "
                         "(smollm2-135m, qwen3-0.6b, llama3-8b)")  # fmt: skip
     parser.add_argument("--random-qtype", default="Q4_1", help="weight type of --random models (Q4_1)")
-    parser.add_argument("--activations", choices=("q8", "f32"), default="q8", help="CUDA decode activations (q8)")
+    parser.add_argument("--activations", choices=("q8", "f32"), default="f32",
+                        help="CUDA decode activations: f32 (exact) or q8 (int8, dp4a) (default f32)")
     parser.add_argument("--no-graphs", action="store_true", help="CUDA: eager launches instead of graphs")
     parser.add_argument("--anchors", choices=sorted(ANCHORS), help="print ratios to these reference numbers")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")

@@ -351,21 +351,35 @@ def check_sampler(scale, rng):
 
 
 def _exact_draw(logits, spec):
-    """The reference's draw with its running sum in float64 instead of float32.
+    """The reference's filters and draw with float64 running sums instead of float32.
 
-    Over a whole vocabulary a float32 running sum drifts by more than one small token's
-    weight, so the reference and the device (exact integer sums) can pick neighbours; both
-    are then checked against this exact-arithmetic draw.
+    Over thousands of candidates a float32 running sum drifts by more than one small token's
+    weight, which moves the top-p cut and the draw by a token or two; the device sums
+    weights exactly (integers), so a token is right if it is the reference's or this one's.
     """
     from ninfer.gpu import sampling
 
     scores = sampling.apply_mask(sampling.apply_penalties(logits, spec), spec.allowed)
-    if spec.params.is_greedy:
+    p = spec.params
+    if p.is_greedy:
         return int(np.argmax(scores))
-    ids, w = sampling.kept_candidates(scores, spec)
-    cum = np.cumsum(w.astype(np.float64))
+    z = scores / np.float32(p.temperature)
+    w = np.exp(z - z.max()).astype(np.float64)
+    ids = np.flatnonzero(w > 0)
+    ids = ids[np.lexsort((ids, -z[ids]))]  # z descending, id ascending
+    if 0 < p.top_k < ids.size:
+        ids = ids[: p.top_k]
+    n = ids.size
+    cum = np.cumsum(w[ids])
+    if p.top_p < 1.0:
+        n = min(n, int(np.searchsorted(cum, p.top_p * cum[-1], side="left")) + 1)
+    if p.min_p > 0:
+        below = w[ids] < np.float32(p.min_p)
+        if below.any():
+            n = min(n, int(np.argmax(below)))
+    cum = cum[:n]
     u = sampling.uniform(spec.seed, spec.token_index)
-    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), ids.size - 1)])
+    return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), n - 1)])
 
 
 def _run_sampler(logits, specs, threads):

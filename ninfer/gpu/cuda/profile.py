@@ -1,17 +1,17 @@
-"""Where a decode step's time goes, on the GPU (device time per kernel) and on the host.
+"""Where a decode step's time goes: host side versus the captured graph on the GPU.
 
-    python -m ninfer.gpu.cuda.profile --random smollm2-135m --streams 1,64 [--json FILE]
+    python -m ninfer.gpu.cuda.profile [MODEL.gguf] --streams 1,64 [--json FILE]
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python -m ninfer.gpu.cuda.profile --ncu --streams 1        # device time per kernel
 
-For each batch size: the wall time of `runner.step`, the device time of the captured graph
-alone (CUDA events around replays), and the device time of every kernel of one eager forward
-(events around each launch; eager launches leave the GPU idle between kernels, so each
-event pair brackets one kernel), summed by kernel family.
+For each batch size: the wall time of `runner.step` and the device time of its captured
+decode graph alone (CUDA events around replays). Per-kernel times need a profiler: events
+around eager launches measure Python's launch latency, not the kernels.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -20,13 +20,7 @@ import time
 import numpy as np
 from numba import cuda
 
-from ninfer.gpu.cuda import act_quant, attention, embed, forward, gemm, gemv, norm, rope, sampler, swiglu
-
 PAGES_PER_ROW = 16  # 256 positions per stream
-
-_WRAPPED = [(embed, "embed"), (norm, "rmsnorm"), (gemv, "gemv"), (gemm, "gemm"), (rope, "qkv_post"),
-            (attention, "attn_decode"), (attention, "attn_prefill"), (swiglu, "swiglu"), (sampler, "sample"),
-            (act_quant, "quantize_rows")]  # fmt: skip
 
 
 def _rows(runner, streams, pos, last):
@@ -53,11 +47,15 @@ def profile_streams(runner, streams: int, prompt_len: int, steps: int) -> dict:
     rows = min(1 << (streams - 1).bit_length(), runner.limits.max_rows)
     key = ("decode", rows, rows)
     gpu_graph = _graph_time(runner, key) if runner._graphs is not None and key in runner._graphs else None
-    kernels = _kernel_times(runner, streams, pos, toks)
-    return {
-        "streams": streams, "context": pos, "wall_ms": 1e3 * statistics.median(walls),
-        "graph_gpu_ms": gpu_graph, "kernels_us": kernels, "kernels_total_us": sum(v["us"] for v in kernels.values()),
-    }
+    return {"streams": streams, "context": pos, "wall_ms": 1e3 * statistics.median(walls), "graph_gpu_ms": gpu_graph,
+            "graph_nodes": _nodes(runner, key) if gpu_graph is not None else None}  # fmt: skip
+
+
+def _nodes(runner, key):
+    try:
+        return runner._graphs.num_nodes(key)
+    except Exception:  # a diagnostic only
+        return None
 
 
 def _graph_time(runner, bucket, reps: int = 50) -> float:
@@ -72,45 +70,22 @@ def _graph_time(runner, bucket, reps: int = 50) -> float:
     return statistics.median(times)
 
 
-def _kernel_times(runner, streams, pos, toks) -> dict:
-    """Device time per kernel family over one eager forward (two launches per decode attention)."""
-    from ninfer.gpu.cuda.staging import plan_pieces, stage_inputs
+def _ncu_replays(runner, streams, prompt_len) -> int:
+    from cuda.bindings import driver
 
-    rows = _rows(runner, streams, pos, toks)
-    (batch,) = plan_pieces(rows, runner.limits, runner.page_size)
-    staged = stage_inputs(runner.bufs, rows, batch, runner.page_size, runner.num_pages, runner.stream)
-    plan = forward.StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
-                            decode=True)  # fmt: skip
-    records = []
-    originals = {}
-    for mod, name in _WRAPPED:
-        fn = getattr(mod, name)
-        originals[(mod, name)] = fn
-
-        def timed(*a, _fn=fn, _name=name, **k):
-            e0, e1 = cuda.event(), cuda.event()
-            e0.record(runner.stream)
-            _fn(*a, **k)
-            e1.record(runner.stream)
-            label = _name
-            if _name in ("gemv", "gemm"):
-                label += f" {a[0].qtype} {a[0].rows}x{a[0].cols}"
-            records.append((label, e0, e1))
-
-        setattr(mod, name, timed)
-    try:
-        for _ in range(2):  # the first pass may compile the eager (unbucketed) variants
-            records.clear()
-            runner.forward.launch(plan, runner.stream)
-            runner.stream.synchronize()
-    finally:
-        for (mod, name), fn in originals.items():
-            setattr(mod, name, fn)
-    out = collections.defaultdict(lambda: {"calls": 0, "us": 0.0})
-    for label, e0, e1 in records:
-        out[label]["calls"] += 1
-        out[label]["us"] += 1e3 * cuda.event_elapsed_time(e0, e1)
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]["us"]))
+    rng = np.random.default_rng(0)
+    for s in streams:
+        last = [rng.integers(0, runner.spec.vocab_size, prompt_len) for _ in range(s)]
+        toks = [t.token_id for t in runner.step(_rows(runner, s, 0, last))]
+        for k in range(3):  # compile, capture, replay once
+            toks = [t.token_id for t in runner.step(_rows(runner, s, prompt_len + k, toks))]
+        rows = min(1 << (s - 1).bit_length(), runner.limits.max_rows)
+        runner.stream.synchronize()
+        driver.cuProfilerStart()
+        runner._graphs.replay(("decode", rows, rows))
+        runner.stream.synchronize()
+        driver.cuProfilerStop()
+    return 0
 
 
 def main(argv=None) -> int:
@@ -121,8 +96,10 @@ def main(argv=None) -> int:
     p.add_argument("--streams", default="1,64")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--activations", default="q8")
+    p.add_argument("--activations", default="f32")
     p.add_argument("--json")
+    p.add_argument("--ncu", action="store_true", help="under `ncu --profile-from-start off`: after warm-up, "
+                   "replay each stream count's decode graph once between cuProfilerStart / Stop")  # fmt: skip
     args = p.parse_args(argv)
     from ninfer.gpu.cuda.random_model import random_model, random_spec
     from ninfer.gpu.cuda.runner import CudaRunner
@@ -136,13 +113,12 @@ def main(argv=None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     runner = CudaRunner(model, num_pages=PAGES_PER_ROW * (max(streams) + 1), page_size=16, max_batch_rows=max(streams),
                         max_context=1024, activations=args.activations)  # fmt: skip
+    if args.ncu:
+        return _ncu_replays(runner, streams, args.prompt)
     results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
     for r in results:
-        print(f"streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU "
-              f"{r['graph_gpu_ms'] if r['graph_gpu_ms'] is None else round(r['graph_gpu_ms'], 3)} ms, "
-              f"eager kernels sum {r['kernels_total_us'] / 1e3:.3f} ms")  # fmt: skip
-        for label, v in r["kernels_us"].items():
-            print(f"    {label:36s} {v['calls']:4d} calls {v['us']:9.1f} us  {v['us'] / v['calls']:7.2f} us/call")
+        print(f"streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU {r['graph_gpu_ms']} ms "
+              f"({r['graph_nodes']} kernels)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -37,14 +37,15 @@ class CudaRunner:
         max_tokens_per_step: int = 4096,
         max_context: int | None = None,
         kv_dtype=np.float16,
-        activations: str = "q8",
+        activations: str = "f32",
         use_graphs: bool = True,
         split_len: int | None = None,
         sampler_threads: int | None = None,
         progress: bool = False,
     ):
-        """`activations`: 'q8' runs decode linears on int8 activations with dp4a (fast),
-        'f32' on float activations (closest to the reference). Prefill (more than 8 tokens)
+        """`activations`: 'f32' (default) runs the decode linears on float activations (logits
+        within ~1e-3 of the reference); 'q8' on int8 activations with dp4a, llama.cpp's
+        scheme (fewer instructions, logits a few percent off). Prefill (more than 8 tokens)
         always uses the f16 tensor-core GEMM. `max_context` (default the model's) sizes the
         page tables, RoPE tables and attention scratch; longer positions are rejected."""
         from ninfer.gpu.reference import _spec_and_weights, rope_angles
@@ -182,8 +183,7 @@ class CudaRunner:
         rows = _bucket(len(batch), self.limits.max_rows)
         if decode:
             return ("decode", rows, rows)
-        tokens = sum(p.count for p in batch) + rows - len(batch)
-        return ("prefill", rows, _token_bucket(tokens))
+        return ("prefill", rows, _token_bucket(sum(p.count for p in batch)))
 
     # -- helpers ------------------------------------------------------------------------------------
 

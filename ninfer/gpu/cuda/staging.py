@@ -68,12 +68,15 @@ def stage_inputs(bufs: StepBuffers, rows, batch: list[Piece], page_size: int, nu
     through the head, and the prefill tiles are padded with empty ones to the bucket's grid.
     """
     num_rows = pad_rows or len(batch)
-    counts = np.array([p.count for p in batch] + [1] * (num_rows - len(batch)), np.int64)
+    decode = all(p.count == 1 for p in batch)
+    # Decode padding rows hold one dummy token (the decode attention reads every row); prefill
+    # padding rows hold none, so padding never moves a batch across the GEMV / GEMM threshold.
+    counts = np.array([p.count for p in batch] + [int(decode)] * (num_rows - len(batch)), np.int64)
     ends = np.cumsum(counts)
     num_real = int(ends[-1])
     num_tokens = max(pad_tokens or 0, num_real)
     tok, rowf, tables = bufs.h_tok, bufs.h_row, bufs.h_tables
-    if all(p.count == 1 for p in batch):
+    if decode:
         _stage_single_tokens(tok, rowf, tables, rows, batch, page_size)
     else:
         _stage_pieces(tok, rowf, tables, rows, batch, ends, page_size)
@@ -84,18 +87,18 @@ def stage_inputs(bufs: StepBuffers, rows, batch: list[Piece], page_size: int, nu
         tok[2, lo:num_tokens], tok[3, lo:num_tokens] = num_pages, 0
         tables[n:num_rows, 0] = num_pages
         pad = np.arange(n, num_rows)
-        rowf[0, pad], rowf[2, pad], rowf[3, pad] = 1, ends[pad] - 1, 0
+        rowf[0, pad], rowf[2, pad], rowf[3, pad] = 1, ends[pad] - counts[pad], 0
     # head rows: every row of a graph bucket, else the sampled pieces
     if pad_rows:
         head = [i if i < n and batch[i].sample else -1 for i in range(num_rows)]
-        rowf[1, :num_rows] = ends - 1
+        rowf[1, :num_rows] = np.maximum(ends - 1, 0)
     else:
         head = [i for i, p in enumerate(batch) if p.sample]
         rowf[1, : len(head)] = ends[head] - 1 if head else 0
     specs = [rows[batch[i].row].sample if i >= 0 else None for i in head]
     pen_total, any_mask = _stage_sampling(bufs, specs)
     num_tiles = 0
-    if not all(c == 1 for c in counts):
+    if not decode:
         tr, t0, tn, _, _ = plan_tiles(list(counts), rowf[3, :num_rows].copy())
         num_tiles = tile_grid(num_tokens, num_rows) if pad_rows else tr.size
         h = bufs.h_tiles
