@@ -148,9 +148,13 @@ def attn_combine_kernel(head_dim, split_len, mode):
 
 
 def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, split_len, mode,
-                stream=0) -> None:  # fmt: skip
-    """Both decode launches; o_part / ml_part are [B, H, max_splits, hd | 2] scratch."""
-    max_splits = o_part.shape[2]
+                stream=0, num_splits: int | None = None) -> None:  # fmt: skip
+    """Both decode launches; o_part / ml_part are [B, H, max_splits, hd | 2] scratch.
+
+    `num_splits` (default all) blocks per (row, kv head) are launched: it must cover the
+    longest row, ceil(max(seq_lens) / split_len); fewer empty blocks for short contexts.
+    """
+    max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
     attn_decode_kernel(spec.head_dim, spec.group_size, split_len)[
         (num_rows, spec.num_kv_heads, max_splits), DECODE_THREADS, stream

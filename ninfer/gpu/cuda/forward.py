@@ -24,6 +24,7 @@ class StepPlan:
     num_sampled: int  # rows whose last token goes through the head (head inputs: last_tok[:S])
     decode: bool  # every row has one token: split-K decode attention
     num_tiles: int = 0  # prefill attention tiles (general path)
+    num_splits: int = 0  # decode attention splits to launch (0: every split the buffers hold)
 
     @property
     def act(self) -> str:
@@ -47,7 +48,7 @@ class Forward:
         self.sampler_threads = sampler_threads
 
     def launch(self, plan: StepPlan, stream) -> None:
-        b, spec = self.bufs, self.spec
+        b = self.bufs
         act = "q8" if (self.q8 and plan.act == "q8") else "f32"
         t = plan.num_tokens
         embed.embed(self.model.embed, b.tokens, b.x, t, stream)
@@ -101,7 +102,8 @@ class Forward:
         if plan.decode:
             out = b.xq8 if act == "q8" else b.h
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
-                                  b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream)  # fmt: skip
+                                  b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
+                                  plan.num_splits or None)  # fmt: skip
             return
         attention.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, plan.num_tiles, stream)
         if act == "q8":

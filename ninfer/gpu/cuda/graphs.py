@@ -40,6 +40,9 @@ class GraphCache:
     def __contains__(self, key) -> bool:
         return key in self._graphs
 
+    def keys(self) -> list:
+        return list(self._graphs)
+
     def capture(self, key, launch: Callable[[], None]) -> None:
         """Record `launch()`'s kernels on the stream as graph `key` (nothing runs now)."""
         h = stream_handle(self._stream)

@@ -12,7 +12,6 @@ and raises AssertionError with the worst error when a kernel disagrees with its 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import traceback
 
@@ -383,7 +382,6 @@ def _exact_draw(logits, spec):
 
 
 def _run_sampler(logits, specs, threads):
-    from ninfer.gpu.cuda.buffers import MAX_PENALTY_ENTRIES  # noqa: F401  (layout shared with the runner)
     from ninfer.gpu.runner import MAX_TOP_LOGPROBS
 
     n, vocab = logits.shape

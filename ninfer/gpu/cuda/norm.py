@@ -14,7 +14,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import quantize_q8_ref, store_q8
 from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum

@@ -45,8 +45,8 @@ def profile_streams(runner, streams: int, prompt_len: int, steps: int) -> dict:
         walls.append(time.perf_counter() - t0)
         pos += 1
     rows = min(1 << (streams - 1).bit_length(), runner.limits.max_rows)
-    key = ("decode", rows, rows)
-    gpu_graph = _graph_time(runner, key) if runner._graphs is not None and key in runner._graphs else None
+    key = _decode_key(runner, rows)
+    gpu_graph = _graph_time(runner, key) if key is not None else None
     return {"streams": streams, "context": pos, "wall_ms": 1e3 * statistics.median(walls), "graph_gpu_ms": gpu_graph,
             "graph_nodes": _nodes(runner, key) if gpu_graph is not None else None}  # fmt: skip
 
@@ -56,6 +56,14 @@ def _nodes(runner, key):
         return runner._graphs.num_nodes(key)
     except Exception:  # a diagnostic only
         return None
+
+
+def _decode_key(runner, rows):
+    """The most recently captured decode graph of this row bucket."""
+    if runner._graphs is None:
+        return None
+    keys = [k for k in runner._graphs.keys() if k[0] == "decode" and k[1] == rows]
+    return keys[-1] if keys else None
 
 
 def _graph_time(runner, bucket, reps: int = 50) -> float:
@@ -82,7 +90,7 @@ def _ncu_replays(runner, streams, prompt_len) -> int:
         rows = min(1 << (s - 1).bit_length(), runner.limits.max_rows)
         runner.stream.synchronize()
         driver.cuProfilerStart()
-        runner._graphs.replay(("decode", rows, rows))
+        runner._graphs.replay(_decode_key(runner, rows))
         runner.stream.synchronize()
         driver.cuProfilerStop()
     return 0

@@ -14,7 +14,7 @@ quarter of an integer instruction instead of the ~7 a float unpack-and-multiply 
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, uint32
+from numba import float32, int32, uint32
 
 from ninfer.gpu.cuda.dequant import LOW_NIBBLES, k4_scale_min, spread_bits4
 from ninfer.gpu.cuda.intrinsics import dp4a, ld4_u32, device

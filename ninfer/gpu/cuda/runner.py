@@ -163,11 +163,12 @@ class CudaRunner:
 
     def _run(self, rows: Sequence[StepRow], batch: list[Piece]) -> list[SampledToken | None]:
         decode = all(p.count == 1 for p in batch)
-        key = self._graph_key(batch, decode) if self.use_graphs else None
+        key = self._graph_key(rows, batch, decode) if self.use_graphs else None
         pad_rows, pad_tokens = (key[1], key[2]) if key else (None, None)
         staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
+        splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
-                        decode=decode, num_tiles=staged.num_tiles)  # fmt: skip
+                        decode=decode, num_tiles=staged.num_tiles, num_splits=splits)  # fmt: skip
         if key is None or self._graphs is None:
             self.forward.launch(plan, self.stream)
         elif key in self._graphs:
@@ -178,12 +179,18 @@ class CudaRunner:
             self._graphs.capture(key, lambda: self.forward.launch(plan, self.stream))
         return fetch_outputs(self.bufs, rows, batch, staged, self.stream)
 
-    def _graph_key(self, batch: list[Piece], decode: bool):
-        """(kind, rows, tokens) of the bucket this sub-batch is padded to and replayed in."""
-        rows = _bucket(len(batch), self.limits.max_rows)
+    def _graph_key(self, rows, batch: list[Piece], decode: bool):
+        """(kind, rows, tokens, splits) of the bucket this sub-batch is padded to and replayed in."""
+        num_rows = _bucket(len(batch), self.limits.max_rows)
         if decode:
-            return ("decode", rows, rows)
-        return ("prefill", rows, _token_bucket(sum(p.count for p in batch)))
+            # graphs per context bucket too: the decode attention launches only the splits a
+            # context of that length needs, so short contexts run no empty blocks
+            ctx = min(max(64, 1 << (_longest(rows, batch) - 1).bit_length()), self.max_context)
+            return ("decode", num_rows, num_rows, self._splits(ctx))
+        return ("prefill", num_rows, _token_bucket(sum(p.count for p in batch)), 0)
+
+    def _splits(self, context: int) -> int:
+        return min(-(-context // self.forward.split_len), self.limits.max_splits)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -239,9 +246,15 @@ def _token_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length() if n <= 512 else -(-n // 512) * 512
 
 
+def _longest(rows, batch) -> int:
+    """Context length of the longest row of a sub-batch after it."""
+    return max(rows[p.row].start_pos + p.offset + p.count for p in batch)
+
+
 def _split_len(max_context: int) -> int:
-    """Positions per decode-attention split: 256, or more so there are at most 64 splits."""
-    return max(256, -(-max_context // (64 * 256)) * 256)
+    """Positions per decode-attention split: 32 (each warp walks 8), or more so there are at
+    most 256 splits. Short splits keep the serial chain of dependent loads per warp short."""
+    return max(32, -(-max_context // (256 * 32)) * 32)
 
 
 def auto_num_pages(spec, page_size: int, *, memory_fraction: float = 0.5, kv_dtype=np.float16) -> int:

@@ -35,10 +35,11 @@ def make_swiglu(mode: str, threads: int = THREADS):
             for c in range(tid, f, threads):
                 out[t, c] = silu_mul(gate_up[t, c], gate_up[t, f + c])
         else:
+            # one warp per 32-element block; blockIdx.y picks the group of nwarps blocks
             lane = tid % 32
             nb = f // 32
-            for it in range((nb + nwarps - 1) // nwarps):
-                blk = it * nwarps + tid // 32
+            for it in range(1):
+                blk = cuda.blockIdx.y * nwarps + tid // 32
                 valid = blk < nb
                 c = 32 * blk + lane
                 v = silu_mul(gate_up[t, c], gate_up[t, f + c]) if valid else float32(0.0)
@@ -53,7 +54,10 @@ def swiglu_kernel(mode: str, threads: int = THREADS):
 
 
 def swiglu(gate_up, out, xs, num_tokens, mode, stream=0, threads=THREADS) -> None:
-    swiglu_kernel(mode, threads)[num_tokens, threads, stream](gate_up, out, xs)
+    """f32: one block per token; q8: (token, group of threads / 32 blocks) so a short batch
+    still spreads over many SMs."""
+    chunks = 1 if mode == "f32" else -(-(gate_up.shape[1] // 64) // (threads // 32))
+    swiglu_kernel(mode, threads)[(num_tokens, chunks), threads, stream](gate_up, out, xs)
 
 
 def swiglu_ref(gate_up, mode):
