@@ -15,6 +15,7 @@ from ninfer.gpu.runner import Runner
 from ninfer.models.loaded import LoadedModel
 
 BACKENDS = ("auto", "cuda", "reference")
+ACTIVATIONS = ("f32", "q8")  # CUDA decode linears: exact float32, or int8 blocks with dp4a
 # Host memory the reference backend's KV pool may take when --kv-capacity is auto.
 REFERENCE_AUTO_KV_BYTES = 2 << 30
 
@@ -35,6 +36,8 @@ class RuntimeOptions:
     page_size: int = 16
     max_context: int | None = None  # None: the model's context, capped at 8192
     max_batch_rows: int = 64
+    activations: str = attrs.field(default="f32", validator=attrs.validators.in_(ACTIVATIONS))
+    max_tokens_per_step: int = 4096  # CUDA: tokens one forward's buffers hold (longer prefills split)
 
 
 def parse_kv_capacity(text: str) -> int | str:
@@ -102,8 +105,10 @@ def create_runner(model: LoadedModel, options: RuntimeOptions) -> tuple[Runner, 
         from ninfer.gpu.cuda.runner import CudaRunner
 
         runner = CudaRunner(
-            model, num_pages=num_pages, page_size=options.page_size, max_batch_rows=options.max_batch_rows
-        )
+            model, num_pages=num_pages, page_size=options.page_size, max_batch_rows=options.max_batch_rows,
+            max_tokens_per_step=options.max_tokens_per_step, max_context=max_context,
+            activations=options.activations,
+        )  # fmt: skip
     else:
         from ninfer.gpu.reference import ReferenceRunner
 

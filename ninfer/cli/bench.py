@@ -44,7 +44,7 @@ def _int_list(text: str) -> list[int]:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("bench", help="measure decode / prefill throughput", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_model_arguments(parser)
+    add_model_arguments(parser, activations=True)
     parser.add_argument("--streams", type=_int_list, default=[1, 4, 16, 64], help="decode batch sizes (1,4,16,64)")
     parser.add_argument("--prompt-lens", type=_int_list, default=[512, 4096], help="prefill lengths (512,4096)")
     parser.add_argument("--decode-tokens", type=positive_int, default=128, help="tokens per stream (128)")
@@ -53,8 +53,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--random", metavar="SHAPE", help="random weights of a known shape instead of MODEL "
                         "(smollm2-135m, qwen3-0.6b, llama3-8b)")  # fmt: skip
     parser.add_argument("--random-qtype", default="Q4_1", help="weight type of --random models (Q4_1)")
-    parser.add_argument("--activations", choices=("q8", "f32"), default="f32",
-                        help="CUDA decode activations: f32 (exact) or q8 (int8, dp4a) (default f32)")
     parser.add_argument("--no-graphs", action="store_true", help="CUDA: eager launches instead of graphs")
     parser.add_argument("--anchors", choices=sorted(ANCHORS), help="print ratios to these reference numbers")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")

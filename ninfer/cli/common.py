@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ninfer.runtime import BACKENDS, RuntimeOptions, parse_kv_capacity
+from ninfer.runtime import ACTIVATIONS, BACKENDS, RuntimeOptions, parse_kv_capacity
 
 
 class CliError(Exception):
@@ -43,7 +43,9 @@ def _kv(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = False) -> None:
+    """MODEL and the runtime group; `activations` adds --activations (commands whose options
+    reach `RuntimeOptions.activations` through `runtime_options`)."""
     parser.add_argument(
         "model", nargs="?", default=None, metavar="MODEL",
         help="a .gguf file, a Hugging Face style directory (config.json + *.safetensors), or a "
@@ -58,12 +60,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="longest prompt + answer in tokens (default: the model's, at most 8192)")
     group.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
                        help="tokens per KV page (default: 16)")
+    if activations:
+        group.add_argument("--activations", choices=ACTIVATIONS, default="f32",
+                           help="CUDA decode activations: f32 (exact) or q8 (int8 blocks and dp4a, "
+                           "llama.cpp's scheme: faster, logits a few percent off) (default: f32)")
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     return RuntimeOptions(
         backend=args.backend, kv_capacity=args.kv_capacity,
         page_size=args.page_size, max_context=args.max_context,
+        activations=getattr(args, "activations", "f32"),
     )  # fmt: skip
 
 
