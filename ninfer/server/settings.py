@@ -41,6 +41,8 @@ class ServerSettings:
     max_pending_requests: int = 64
     pending_timeout_ms: int = 60_000
     prefill_chunk: int = 512
+    prefix_reuse: bool = True  # reuse computed KV of shared prompt prefixes (docs/scheduling.md)
+    host_cache_mib: float = 1024.0  # host memory for prefix-cache pages demoted off the device
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # empty: no authentication
     default_max_tokens: int | None = None  # None: up to the context limit
     temperature: float = 1.0
@@ -68,6 +70,7 @@ class ServerSettings:
         _check(self.max_context is None or self.max_context >= 2, f"--max-context must be at least 2, got {self.max_context}")
         self._check_limits()
         self._check_keys()
+        _check(self.host_cache_mib >= 0, f"--host-cache-mib must be at least 0, got {self.host_cache_mib}")
         _check(self.max_request_mib > 0, f"--max-request-mib must be positive, got {self.max_request_mib}")
         _check(self.log_level in LOG_LEVELS, f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for origin in self.cors_origins:
@@ -117,6 +120,7 @@ class ServerSettings:
         return {
             "max_concurrency": self.max_concurrency, "max_pending": self.max_pending_requests,
             "pending_timeout_s": self.pending_timeout_ms / 1000.0, "prefill_chunk": self.prefill_chunk,
+            "prefix_cache": self.prefix_reuse, "host_cache_bytes": int(self.host_cache_mib * MIB),
         }  # fmt: skip
 
 
