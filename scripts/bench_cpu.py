@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ninfer.gpu.blas import available_cores, blas_threads_in_use
 from ninfer.gpu.reference import ReferenceRunner
 from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
 
@@ -100,6 +101,7 @@ def main() -> None:
     load_s = time.perf_counter() - start
     print(f"model {model.name}: stored weights {model.weights.nbytes / 1e6:.1f} MB, "
           f"float32 weights {runner.weight_nbytes / 1e6:.1f} MB (dequantized in {load_s:.1f} s)")  # fmt: skip
+    print(f"{available_cores()} cores, BLAS threads {blas_threads_in_use()} (ninfer/gpu/blas.py; $NINFER_BLAS_THREADS)")
     bandwidth = measure_read_bandwidth()
     floor_s = runner.weight_nbytes / bandwidth
     print(f"host read bandwidth {bandwidth / 1e9:.1f} GB/s -> decode floor {floor_s * 1e3:.1f} ms/step "
