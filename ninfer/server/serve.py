@@ -47,7 +47,9 @@ async def serve(
         await _serve_with_runner(settings, model, runner, max_context, shutdown_trigger, handle_signals, task_status)
         return
     runner, backend, max_context = await trio.to_thread.run_sync(create_runner, model, options)
-    log.info("model %s on the %s backend, %d KV pages", model.name, backend, runner.num_pages)
+    cache = f"prefix cache on, host tier {settings.host_cache_mib:g} MiB" if settings.prefix_reuse else "prefix cache off"
+    log.info("model %s on the %s backend, %d KV pages of %d tokens, %s", model.name, backend, runner.num_pages,
+             settings.page_size, cache)  # fmt: skip
     try:
         await _serve_with_runner(settings, model, runner, max_context, shutdown_trigger, handle_signals, task_status)
     finally:
