@@ -22,10 +22,11 @@ from ninfer.protocols.strict import (
     at_least,
     between,
     make_converter,
+    named_tool_choice,
     register_tagged_union,
 )
 from ninfer.protocols.strict import structure as _structure
-from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions
+from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
 
 # --- request schemas -------------------------------------------------------------------------
 
@@ -302,18 +303,13 @@ def _assistant_message(blocks: list[ContentBlock], path: str) -> dict[str, Any]:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
-            calls.append(_tool_call(block))
+            calls.append(chat_tool_call(block.id, block.name, block.input))
         else:
             raise _unsupported_block(block, f"{path}.{number}", "assistant")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if calls:
         message["tool_calls"] = calls
     return message
-
-
-def _tool_call(block: ToolUseBlock) -> dict[str, Any]:
-    # Chat templates render the arguments themselves (`| tojson`), so they stay a dict.
-    return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
 
 
 def _unsupported_block(block: ContentBlock, where: str, role: str) -> WireFormatError:
@@ -326,17 +322,7 @@ def _unsupported_block(block: ContentBlock, where: str, role: str) -> WireFormat
 
 def to_tools(tools: list[Tool]) -> list[dict[str, Any]]:
     """Anthropic tools as OpenAI-style function tools."""
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": tool.name,
-                "description": tool.description or "",
-                "parameters": tool.input_schema,
-            },
-        }
-        for tool in tools
-    ]
+    return [chat_tool(tool.name, tool.description, tool.input_schema) for tool in tools]
 
 
 def to_tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> str | dict[str, str]:
@@ -348,12 +334,7 @@ def to_tool_choice(choice: ToolChoice | None, tools: list[Tool]) -> str | dict[s
             )
         return "none" if not tools else "auto"
     if choice.type == "tool":
-        names = {tool.name for tool in tools}
-        if choice.name not in names:
-            raise WireFormatError(
-                f"tool_choice.name: {choice.name!r} is not one of the declared tools", "tool_choice.name"
-            )
-        return {"name": choice.name}
+        return named_tool_choice(choice.name, tools)
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 

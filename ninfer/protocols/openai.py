@@ -183,11 +183,9 @@ class StreamOptions:
 
 
 @attrs.frozen(kw_only=True)
-class ChatCompletionRequest:
-    model: str
-    messages: list[Message]
-    max_tokens: int | None = attrs.field(default=None, validator=between(1, None))
-    max_completion_tokens: int | None = attrs.field(default=None, validator=between(1, None))
+class SamplerFields:
+    """The sampler, stop and `n` fields of both generation requests, with the same bounds."""
+
     temperature: float | None = attrs.field(default=None, validator=between(0, 2))
     top_p: float | None = attrs.field(default=None, validator=between(0, 1))
     top_k: int | None = attrs.field(default=None, validator=between(-1, None))
@@ -198,6 +196,28 @@ class ChatCompletionRequest:
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = attrs.field(default=None, validator=between(1, None))
+
+
+def _sampler_fields_after(name: str):
+    """attrs field_transformer: the inherited `SamplerFields` go right after the field `name`.
+
+    Structuring names the first bad field in field order, so the order stays as on the wire.
+    """
+
+    def transform(cls, fields):
+        own = [f for f in fields if not f.inherited]
+        at = next(i for i, f in enumerate(own) if f.name == name) + 1
+        return [*own[:at], *(f for f in fields if f.inherited), *own[at:]]
+
+    return transform
+
+
+@attrs.frozen(kw_only=True, field_transformer=_sampler_fields_after("max_completion_tokens"))
+class ChatCompletionRequest(SamplerFields):
+    model: str
+    messages: list[Message]
+    max_tokens: int | None = attrs.field(default=None, validator=between(1, None))
+    max_completion_tokens: int | None = attrs.field(default=None, validator=between(1, None))
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None
@@ -211,21 +231,11 @@ class ChatCompletionRequest:
     cache_salt: str | None = None
 
 
-@attrs.frozen(kw_only=True)
-class CompletionRequest:
+@attrs.frozen(kw_only=True, field_transformer=_sampler_fields_after("max_tokens"))
+class CompletionRequest(SamplerFields):
     model: str
     prompt: Prompt
     max_tokens: int | None = attrs.field(default=16, validator=between(1, None))
-    temperature: float | None = attrs.field(default=None, validator=between(0, 2))
-    top_p: float | None = attrs.field(default=None, validator=between(0, 1))
-    top_k: int | None = attrs.field(default=None, validator=between(-1, None))
-    min_p: float | None = attrs.field(default=None, validator=between(0, 1))
-    presence_penalty: float | None = attrs.field(default=None, validator=between(-2, 2))
-    frequency_penalty: float | None = attrs.field(default=None, validator=between(-2, 2))
-    repetition_penalty: float | None = attrs.field(default=None, validator=between(0.01, 10))
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int | None = attrs.field(default=None, validator=between(1, None))
     best_of: int | None = attrs.field(default=None, validator=between(1, None))
     stream: bool | None = None
     stream_options: StreamOptions | None = None

@@ -14,10 +14,12 @@ import attrs
 
 from ninfer.protocols.openai import (
     MAX_STOP_SEQUENCES, AssistantMessage, ChatCompletionRequest, CompletionRequest, Content, JsonObjectFormat,
-    Message, NamedToolChoice, RefusalPart, ResponseFormatIn, SystemMessage, TextFormat, TextPart,
+    Message, NamedToolChoice, RefusalPart, ResponseFormatIn, SamplerFields, SystemMessage, TextFormat, TextPart,
     TokenizeRequest, UserMessage,
 )  # fmt: skip
-from ninfer.server.calls import ChatCall, CompletionCall, InvalidRequest, ResponseFormat, SamplingOptions
+from ninfer.server.calls import (
+    ChatCall, CompletionCall, InvalidRequest, ResponseFormat, SamplingOptions, chat_tool_call,
+)  # fmt: skip
 
 
 def _text_of(content: Content | None, param: str) -> str:
@@ -75,8 +77,7 @@ def _assistant_dict(m: AssistantMessage, i: int, names_by_call_id: dict[str, str
         for j, call in enumerate(m.tool_calls):
             names_by_call_id[call.id] = call.function.name
             args = _arguments(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
-            calls.append({"id": call.id, "type": "function",
-                          "function": {"name": call.function.name, "arguments": args}})  # fmt: skip
+            calls.append(chat_tool_call(call.id, call.function.name, args))
         item["tool_calls"] = calls
     return item
 
@@ -90,7 +91,7 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def _sampling(req) -> SamplingOptions:
+def _sampling(req: SamplerFields) -> SamplingOptions:
     top_k = req.top_k if req.top_k not in (-1,) else 0
     return SamplingOptions(
         temperature=req.temperature, top_p=req.top_p, top_k=top_k, min_p=req.min_p,
@@ -99,7 +100,7 @@ def _sampling(req) -> SamplingOptions:
     )  # fmt: skip
 
 
-def _check_common(req) -> None:
+def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.n not in (None, 1):
         raise InvalidRequest("Only n=1 is supported: send one request per answer.", "n", code="unsupported_value")
     if req.logit_bias:

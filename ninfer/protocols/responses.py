@@ -23,10 +23,11 @@ from ninfer.protocols.strict import (
     at_least,
     between,
     make_converter,
+    named_tool_choice,
     register_tagged_union,
 )
 from ninfer.protocols.strict import structure as _structure
-from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions
+from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
 
 # --- input items -----------------------------------------------------------------------------
 
@@ -292,7 +293,7 @@ def _tool_call(item: FunctionCallItem, where: str) -> dict[str, Any]:
         raise WireFormatError(f"{where}.arguments: not valid JSON", f"{where}.arguments") from None
     if not isinstance(arguments, dict):
         raise WireFormatError(f"{where}.arguments: must be a JSON object", f"{where}.arguments")
-    return {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": arguments}}
+    return chat_tool_call(item.call_id, item.name, arguments)
 
 
 def output_messages(output: Sequence[OutputItem]) -> list[dict[str, Any]]:
@@ -310,14 +311,7 @@ def output_messages(output: Sequence[OutputItem]) -> list[dict[str, Any]]:
 def to_tools(tools: Sequence[FunctionTool]) -> list[dict[str, Any]]:
     """Responses function tools (flat) as OpenAI chat function tools (nested)."""
     return [
-        {
-            "type": "function",
-            "function": {
-                "name": tool.name,
-                "description": tool.description or "",
-                "parameters": tool.parameters or {"type": "object", "properties": {}},
-            },
-        }
+        chat_tool(tool.name, tool.description, tool.parameters or {"type": "object", "properties": {}})
         for tool in tools
     ]
 
@@ -325,11 +319,7 @@ def to_tools(tools: Sequence[FunctionTool]) -> list[dict[str, Any]]:
 def to_tool_choice(request: ResponsesRequest) -> str | dict[str, str]:
     choice = request.tool_choice
     if isinstance(choice, NamedFunction):
-        if choice.name not in {tool.name for tool in request.tools}:
-            raise WireFormatError(
-                f"tool_choice.name: {choice.name!r} is not one of the declared tools", "tool_choice.name"
-            )
-        return {"name": choice.name}
+        return named_tool_choice(choice.name, request.tools)
     if choice == "required" and not request.tools:
         raise WireFormatError("tool_choice: 'required' needs at least one tool in tools", "tool_choice")
     return choice if request.tools else "none"

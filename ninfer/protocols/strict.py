@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -210,6 +211,13 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, (ValueError, TypeError)) and exc.args:
         return str(exc.args[0])
     return f"invalid value ({exc})"
+
+
+def named_tool_choice(name: str | None, tools: Iterable[Any]) -> dict[str, str]:
+    """A tool_choice naming one tool, as {"name": ...}; a 400 unless `tools` declares it."""
+    if name not in {tool.name for tool in tools}:
+        raise WireFormatError(f"tool_choice.name: {name!r} is not one of the declared tools", "tool_choice.name")
+    return {"name": name}
 
 
 def at_least(lo: float):

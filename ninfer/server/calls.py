@@ -65,7 +65,21 @@ class ResponseFormat:
 
 
 @attrs.frozen(kw_only=True)
-class ChatCall:
+class GenerationOptions:
+    """What every call sets besides its prompt: length, sampling, stops, logprobs, cache salt."""
+
+    max_tokens: int | None = None  # None: the server default, else up to the context limit
+    sampling: SamplingOptions = SamplingOptions()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    cache_salt: str | None = None
+    request_id: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ChatCall(GenerationOptions):
     """One chat generation.
 
     `messages` are Hugging Face chat-template dicts: {"role", "content"} with role system /
@@ -80,29 +94,23 @@ class ChatCall:
     tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
-    max_tokens: int | None = None  # None: the server default, else up to the context limit
-    sampling: SamplingOptions = SamplingOptions()
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    cache_salt: str | None = None
-    request_id: str = ""
+
+
+def chat_tool(name: str, description: str | None, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A tool as `ChatCall.tools` holds it (an OpenAI function tool)."""
+    return {"type": "function", "function": {"name": name, "description": description or "", "parameters": parameters}}
+
+
+def chat_tool_call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """An assistant tool call as `ChatCall.messages` holds it (arguments a dict, for templates)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 @attrs.frozen(kw_only=True)
-class CompletionCall:
+class CompletionCall(GenerationOptions):
     """One raw-text completion: the prompt is fed as is (no chat template)."""
 
     prompt: str | tuple[int, ...]
-    max_tokens: int | None = None
-    sampling: SamplingOptions = SamplingOptions()
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    cache_salt: str | None = None
-    request_id: str = ""
 
 
 @attrs.frozen

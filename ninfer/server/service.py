@@ -46,7 +46,7 @@ from ninfer.gpu.runner import SamplingParams
 from ninfer.protocols.tool_calls import END_TAG
 from ninfer.sched.request import EngineError, GenerationRequest
 from ninfer.server.calls import (
-    CallResult, CallStarted, ChatCall, CompletionCall, InvalidRequest, ModelNotFound,
+    CallResult, CallStarted, ChatCall, CompletionCall, GenerationOptions, InvalidRequest, ModelNotFound,
     SamplingOptions, TextDelta, ToolCall, ToolCallDelta, CallFinished,
 )  # fmt: skip
 from ninfer.server.chat_prompt import (
@@ -137,11 +137,7 @@ class GenerationService:
         parse_tools = uses_tool_parser(call)
         if parse_tools and not call.parallel_tool_calls and constraint is None:
             stop = (*stop, END_TAG)  # one call only: end the answer at its closing tag
-        request = self._request(
-            prompt_ids, call.max_tokens, call.sampling, stop=stop, seed=call.seed,
-            logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=constraint,
-            cache_salt=call.cache_salt, request_id=call.request_id,
-        )  # fmt: skip
+        request = self._request(prompt_ids, call, stop=stop, constraint=constraint)
         return await self._start(request, parse_tools=parse_tools)
 
     async def start_completion(self, call: CompletionCall) -> EventStream:
@@ -153,11 +149,7 @@ class GenerationService:
             self._check_token_ids(prompt_ids, "prompt")
         if not prompt_ids:
             raise InvalidRequest("The prompt must not be empty.", "prompt")
-        request = self._request(
-            prompt_ids, call.max_tokens, call.sampling, stop=call.stop, seed=call.seed,
-            logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=None,
-            cache_salt=call.cache_salt, request_id=call.request_id,
-        )  # fmt: skip
+        request = self._request(prompt_ids, call, stop=call.stop, constraint=None)
         return await self._start(request, parse_tools=False)
 
     async def chat(self, call: ChatCall) -> CallResult:
@@ -184,11 +176,13 @@ class GenerationService:
             )  # fmt: skip
         return self.grammar
 
-    def _request(self, prompt_ids, max_tokens, sampling, **fields) -> GenerationRequest:
+    def _request(self, prompt_ids, call: GenerationOptions, *, stop: tuple[str, ...], constraint) -> GenerationRequest:
         return GenerationRequest(
             prompt_ids=tuple(int(t) for t in prompt_ids),
-            max_tokens=self._max_tokens(len(prompt_ids), max_tokens),
-            sampling=self._sampling(sampling), **fields,
+            max_tokens=self._max_tokens(len(prompt_ids), call.max_tokens),
+            sampling=self._sampling(call.sampling), stop=stop, seed=call.seed,
+            logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=constraint,
+            cache_salt=call.cache_salt, request_id=call.request_id,
         )  # fmt: skip
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
