@@ -1,15 +1,17 @@
-"""Small request / response helpers shared by the Anthropic and Responses routes."""
+"""Request / response helpers shared by the API routes: JSON bodies, failed answers, SSE."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import trio
 from quart import Response, g
 
 from ninfer.protocols.errors import ApiError, ErrorKind
-from ninfer.protocols.sse import encode_json
-from ninfer.server.calls import CallFinished, CallStarted, Idle
+from ninfer.protocols.sse import SSE_HEADERS, encode_json
+from ninfer.server.calls import CallFinished, CallResult, CallStarted, Idle
 
 
 async def read_json(request) -> Any:
@@ -32,6 +34,14 @@ def request_id_of(request) -> str:
     return getattr(g, "request_id", None) or request.headers.get("x-request-id", "")
 
 
+def raise_if_failed(result: CallResult | CallFinished) -> None:
+    """Raise the ApiError for an answer the engine failed or a shutdown cancelled."""
+    if result.reason == "error":
+        raise ApiError(ErrorKind.INTERNAL, f"The model failed while answering: {result.error or 'unknown error'}")
+    if result.reason == "cancelled":
+        raise ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; the answer was cancelled.")
+
+
 async def first_events(stream) -> list:
     """The stream's events up to the request's start (or the first keep-alive).
 
@@ -44,3 +54,43 @@ async def first_events(stream) -> list:
         if isinstance(event, (CallStarted, Idle, CallFinished)):
             break
     return head
+
+
+async def open_sse(
+    stream,
+    to_chunks: Callable[[Any], list[bytes]],
+    on_error: Callable[[Exception], list[bytes]],
+    *,
+    closing: Sequence[bytes] = (),
+) -> Response:
+    """A 200 SSE response of `to_chunks(event)` for each event, once the request started.
+
+    Errors before the start propagate, so the route answers them with their own status; a
+    later one ends the stream with `on_error(exc)`. `closing` goes out last either way.
+    """
+    try:
+        head = await first_events(stream)
+    except BaseException:
+        await stream.aclose()
+        raise
+    response = Response(_sse_body(stream, head, to_chunks, on_error, closing), status=200, headers=SSE_HEADERS)
+    response.timeout = None  # a long answer must never be cut by the response timeout
+    return response
+
+
+async def _sse_body(stream, head: list, to_chunks, on_error, closing: Sequence[bytes]):
+    async with stream:
+        try:
+            for event in head:
+                for chunk in to_chunks(event):
+                    yield chunk
+            async for event in stream:
+                for chunk in to_chunks(event):
+                    yield chunk
+        except trio.Cancelled:
+            raise
+        except Exception as exc:
+            for chunk in on_error(exc):
+                yield chunk
+        for chunk in closing:
+            yield chunk

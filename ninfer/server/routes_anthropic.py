@@ -19,9 +19,9 @@ from quart import Response, request
 from ninfer.protocols import anthropic as wire
 from ninfer.protocols.anthropic_events import MessageStream, Ping, to_json
 from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
-from ninfer.protocols.sse import SSE_HEADERS, sse_event
+from ninfer.protocols.sse import sse_event
 from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import first_events, json_response, read_json, request_id_of
+from ninfer.server.http_io import json_response, open_sse, raise_if_failed, read_json, request_id_of
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +75,7 @@ async def _messages(service) -> Response:
             async for event in stream:
                 _fold(assembler, event)
         return _final(assembler)
-    try:
-        head = await first_events(stream)
-    except BaseException:
-        await stream.aclose()
-        raise
-    response = Response(_sse_body(stream, head, assembler), status=200, headers=SSE_HEADERS)
-    response.timeout = None  # a long answer must never be cut by the response timeout
-    return response
+    return await open_sse(stream, lambda event: _chunks(assembler, event), _stream_error)
 
 
 def _fold(assembler: MessageStream, event) -> list:
@@ -94,46 +87,28 @@ def _fold(assembler: MessageStream, event) -> list:
     if isinstance(event, ToolCallDelta):
         return assembler.tool_call(index=event.index, call_id=event.id, name=event.name, arguments=event.arguments)
     if isinstance(event, CallFinished):
-        _raise_if_failed(event)
+        raise_if_failed(event)
         return assembler.finish(
             reason=event.reason, completion_tokens=event.usage.completion_tokens, stop_sequence=event.stop_sequence
         )
     return []
 
 
-def _raise_if_failed(event: CallFinished) -> None:
-    if event.reason == "error":
-        raise ApiError(ErrorKind.INTERNAL, f"The model failed while answering: {event.error or 'unknown error'}")
-    if event.reason == "cancelled":
-        raise ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; the answer was cancelled.")
-
-
 def _final(assembler: MessageStream) -> Response:
     return json_response(to_json(assembler.message()))
 
 
-async def _sse_body(stream, head: list, assembler: MessageStream):
-    """The SSE body: Anthropic events, with pings while nothing else happens."""
-    async with stream:
-        try:
-            for event in head:
-                for chunk in _chunks(assembler, event):
-                    yield chunk
-            async for event in stream:
-                for chunk in _chunks(assembler, event):
-                    yield chunk
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            error = error_from_exception(exc)
-            if error.kind is ErrorKind.INTERNAL and not isinstance(exc, ApiError):
-                log.error("/v1/messages stream failed", exc_info=exc)
-            _, body = error.anthropic()
-            yield sse_event(body, "error")
-
-
 def _chunks(assembler: MessageStream, event) -> list[bytes]:
+    """Anthropic events as SSE, with pings while nothing else happens."""
     if isinstance(event, Idle):
         return [sse_event(to_json(Ping()), "ping")]
     return [sse_event(to_json(e), e.type) for e in _fold(assembler, event)]
 
+
+def _stream_error(exc: Exception) -> list[bytes]:
+    """A failure after the stream opened, as Anthropic's `error` event."""
+    error = error_from_exception(exc)
+    if error.kind is ErrorKind.INTERNAL and not isinstance(exc, ApiError):
+        log.error("/v1/messages stream failed", exc_info=exc)
+    _, body = error.anthropic()
+    return [sse_event(body, "error")]

@@ -12,17 +12,16 @@ from __future__ import annotations
 import logging
 import time
 
-import trio
 from quart import Response, g, request
 
 from ninfer.protocols import openai as wire
 from ninfer.protocols import openai_calls as calls
 from ninfer.protocols import openai_out as out
 from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
-from ninfer.protocols.sse import DONE, SSE_HEADERS, sse_comment, sse_event
+from ninfer.protocols.sse import DONE, sse_comment, sse_event
 from ninfer.protocols.strict import structure
-from ninfer.server.calls import CallFinished, CallResult, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import first_events, json_response, read_json
+from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
+from ninfer.server.http_io import json_response, open_sse, raise_if_failed, read_json
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +49,6 @@ def register(app, service) -> None:
     app.add_url_rule("/v1/detokenize", "detokenize", detokenize, methods=["POST"])
 
 
-def _raise_if_failed(result: CallResult | CallFinished) -> None:
-    if result.reason == "error":
-        raise ApiError(ErrorKind.INTERNAL, f"The model failed while answering: {result.error or 'unknown error'}")
-    if result.reason == "cancelled":
-        raise ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; the answer was cancelled.")
-
-
 # ---- chat ------------------------------------------------------------------------------
 
 
@@ -67,7 +59,7 @@ async def _chat(service) -> Response:
     response_id, created = "chatcmpl-" + g.request_id.removeprefix("req_"), int(time.time())
     if not req.stream:
         result = await service.chat(call)
-        _raise_if_failed(result)
+        raise_if_failed(result)
         return json_response(out.chat_completion(result, id=response_id, created=created, model=req.model))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunker = out.ChatChunker(id=response_id, created=created, model=req.model, include_usage=include_usage)
@@ -85,7 +77,7 @@ def _chat_chunks(chunker: out.ChatChunker, event) -> list[bytes]:
     if isinstance(event, ToolCallDelta):
         return [sse_event(c) for c in chunker.tool_call(event)]
     if isinstance(event, CallFinished):
-        _raise_if_failed(event)
+        raise_if_failed(event)
         return [sse_event(c) for c in chunker.finish(event.reason, event.usage)]
     return []
 
@@ -94,34 +86,15 @@ def _chat_chunks(chunker: out.ChatChunker, event) -> list[bytes]:
 
 
 async def _open_sse(stream, to_chunks) -> Response:
-    """A 200 SSE response once the request started (errors before that are plain responses)."""
-    try:
-        head = await first_events(stream)
-    except BaseException:
-        await stream.aclose()
-        raise
-    response = Response(_sse_body(stream, head, to_chunks), status=200, headers=SSE_HEADERS)
-    response.timeout = None  # a long answer must never be cut by the response timeout
-    return response
+    """The SSE answer: chunks, an error event on a late failure, and `[DONE]` at the end."""
 
+    def on_error(exc: Exception) -> list[bytes]:
+        error = error_from_exception(exc)
+        if error.kind is ErrorKind.INTERNAL and not isinstance(exc, ApiError):
+            log.error("stream %s failed", stream.request_id, exc_info=exc)
+        return [sse_event(error.openai()[1])]
 
-async def _sse_body(stream, head: list, to_chunks):
-    async with stream:
-        try:
-            for event in head:
-                for chunk in to_chunks(event):
-                    yield chunk
-            async for event in stream:
-                for chunk in to_chunks(event):
-                    yield chunk
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            error = error_from_exception(exc)
-            if error.kind is ErrorKind.INTERNAL and not isinstance(exc, ApiError):
-                log.error("stream %s failed", stream.request_id, exc_info=exc)
-            yield sse_event(error.openai()[1])
-        yield DONE
+    return await open_sse(stream, to_chunks, on_error, closing=(DONE,))
 
 
 # ---- completions -------------------------------------------------------------------------
@@ -137,7 +110,7 @@ async def _completions(service) -> Response:
         echo = call.prompt if isinstance(call.prompt, str) else service.detokenize(list(call.prompt))
     if not req.stream:
         result = await service.complete(call)
-        _raise_if_failed(result)
+        raise_if_failed(result)
         choice = out.CompletionChoice(echo + result.text, 0, out.completion_logprobs(result.logprobs, len(echo)), result.reason)
         return json_response(out.completion(response_id, created, req.model, [choice], result.usage))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -167,7 +140,7 @@ class _CompletionStreamState:
             self._offset += len(event.text)
             return [self._chunk(text, logprobs, None)] if text or logprobs else []
         if isinstance(event, CallFinished):
-            _raise_if_failed(event)
+            raise_if_failed(event)
             chunks = [self._chunk(self._pending_echo, None, event.reason)]
             if self._include_usage:
                 chunks.append(sse_event(out.completion(*self._head, [], event.usage)))

@@ -23,9 +23,9 @@ from ninfer.protocols.responses_events import (
     DeletedResponse, ResponseStream, TokenLogprob, TopLogprob, new_id, to_json, usage,
 )  # fmt: skip
 from ninfer.protocols.responses_events import Response as WireResponse
-from ninfer.protocols.sse import SSE_HEADERS, sse_comment, sse_event
+from ninfer.protocols.sse import sse_comment, sse_event
 from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import first_events, json_response, read_json, request_id_of
+from ninfer.server.http_io import json_response, open_sse, read_json, request_id_of
 from ninfer.server.responses_store import ResponsesStore, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -117,14 +117,7 @@ async def _create(service, store: ResponsesStore) -> Response:
             async for event in stream:
                 turn.fold(event, is_streaming=False)
         return json_response(to_json(turn.assembler.response()))
-    try:
-        head = await first_events(stream)
-    except BaseException:
-        await stream.aclose()
-        raise
-    response = Response(_sse_body(stream, head, turn), status=200, headers=SSE_HEADERS)
-    response.timeout = None  # a long answer must never be cut by the response timeout
-    return response
+    return await open_sse(stream, lambda event: _chunks(turn, event), lambda exc: _stream_error(turn, exc))
 
 
 def _template(body: wire.ResponsesRequest) -> WireResponse:
@@ -195,27 +188,16 @@ def _logprobs(event: TextDelta) -> list[TokenLogprob]:
     ]  # fmt: skip
 
 
-async def _sse_body(stream, head: list, turn: _Turn):
-    """The SSE body: typed events with sequence numbers, comments while nothing happens."""
-    async with stream:
-        try:
-            for event in head:
-                for chunk in _chunks(turn, event):
-                    yield chunk
-            async for event in stream:
-                for chunk in _chunks(turn, event):
-                    yield chunk
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            error = error_from_exception(exc)
-            if error.kind is ErrorKind.INTERNAL:
-                log.error("/v1/responses stream failed", exc_info=exc)
-            for event in turn.fail(error.message):
-                yield sse_event(event, event["type"])
-
-
 def _chunks(turn: _Turn, event) -> list[bytes]:
+    """Typed events (numbered by the assembler) as SSE, comments while nothing happens."""
     if isinstance(event, Idle):
         return [sse_comment()]
     return [sse_event(e, e["type"]) for e in turn.fold(event, is_streaming=True)]
+
+
+def _stream_error(turn: _Turn, exc: Exception) -> list[bytes]:
+    """A failure after the stream opened ends it with `response.failed`."""
+    error = error_from_exception(exc)
+    if error.kind is ErrorKind.INTERNAL:
+        log.error("/v1/responses stream failed", exc_info=exc)
+    return [sse_event(event, event["type"]) for event in turn.fail(error.message)]
