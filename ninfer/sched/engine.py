@@ -246,32 +246,16 @@ class Engine:
 
 
 @asynccontextmanager
-async def open_engine(
-    config: EngineConfig,
-    runner: Runner,
-    tokenizer,
-    *,
-    stop_token_ids: Iterable[int] = (),
-    executor: Executor | None = None,
-    observer: RequestObserver | None = None,
-    prefix_cache: PrefixCacheHook | None = None,
-) -> AsyncIterator[Engine]:
+async def open_engine(config: EngineConfig, runner: Runner, tokenizer, **options) -> AsyncIterator[Engine]:
     """Run an engine for the duration of the block.
 
-    `tokenizer` needs `detokenizer()` (-> `push(id) -> str`, `flush() -> str`). `stop_token_ids`
-    are the model's end-of-turn ids. `executor(fn, *args)` runs blocking runner calls; the
-    default is `trio.to_thread.run_sync`. `observer(record)` is called for every request that
-    ends. The runner is not closed here: its owner closes it.
+    `tokenizer` needs `detokenizer()` (-> `push(id) -> str`, `flush() -> str`). `options` are
+    `Engine`'s keywords: `stop_token_ids`, the model's end-of-turn ids; `executor(fn, *args)`,
+    which runs blocking runner calls (default `trio.to_thread.run_sync`); `observer(record)`,
+    called for every request that ends; `prefix_cache`, a hook in place of the one `config`
+    describes. The runner is not closed here: its owner closes it.
     """
-    engine = Engine(
-        config,
-        runner,
-        tokenizer,
-        stop_token_ids=stop_token_ids,
-        executor=executor,
-        observer=observer,
-        prefix_cache=prefix_cache,
-    )
+    engine = Engine(config, runner, tokenizer, **options)
     try:
         async with trio.open_nursery() as nursery:
             engine._start(nursery)
