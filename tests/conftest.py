@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model, fetched once per machine into the user cache."""
+"""Shared fixtures: the real default model, fetched once per machine into the user cache, and
+transformers' tokenizer of it."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def smollm2(smollm2_path):
     from ninfer.models.loader import load_model
 
     return load_model(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(smollm2_path):
+    """transformers' tokenizer built from the same GGUF file (an independent implementation)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)

@@ -29,6 +29,14 @@ from ninfer.server.serve import serve
 from ninfer.server.settings import ServerSettings
 
 START_TIMEOUT_S = 180.0
+# The parameters of the weather and clock tools every API's tests declare (in its own shape).
+CITY_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class ServerThread:

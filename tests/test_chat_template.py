@@ -47,13 +47,6 @@ def _text(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-
-
-@pytest.fixture(scope="module")
 def smol_template(smollm2):
     return smollm2.chat_template
 

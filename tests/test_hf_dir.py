@@ -12,54 +12,10 @@ import pytest
 from ninfer.models.hf_dir import load_hf_dir, read_json, spec_from_config
 from ninfer.models.loaded import ModelLoadError
 from ninfer.models.loader import load_model
+from tiny_models import build_tiny_dir, write_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-TINY = dict(
-    vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=5000.0,
-)  # fmt: skip
-SPECIALS = ["<unk>", "<s>", "</s>", "<|im_end|>"]
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-
-
-def build_tiny_dir(path: Path, arch: str, *, seed: int = 0, dtype=None, **overrides):
-    """Save a seeded random `arch` model plus a word-level tokenizer into `path`.
-
-    Norm weights and biases are perturbed away from their 1 / 0 initial values, so a loader or
-    forward that drops them is caught. Returns the float32 torch model (eval mode).
-    """
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
-    }
-    config_cls, model_cls, extra = classes[arch]
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**(TINY | extra | overrides))).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.add_(torch.randn_like(param) * 0.5)
-    if dtype is not None:
-        model = model.to(dtype)
-    model.save_pretrained(path)
-    write_tokenizer(path, model.config.vocab_size)
-    return model.float()
-
-
-def write_tokenizer(path: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)} | {f"t{i}": i for i in range(len(SPECIALS), vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.add_special_tokens(SPECIALS)
-    tokenizer.save(str(path / "tokenizer.json"))
-    config = {"bos_token": "<s>", "eos_token": {"content": "<|im_end|>"}, "chat_template": TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-
 
 def edit_config(path: Path, **changes) -> None:
     config = json.loads((path / "config.json").read_text())

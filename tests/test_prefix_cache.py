@@ -19,45 +19,18 @@ from ninfer.cache.pages import PagePool, pages_for_tokens
 from ninfer.cache.prefix import PrefixCache
 from ninfer.gpu.reference import ReferenceRunner
 from ninfer.gpu.runner import PageSnapshot, SampleSpec, SamplingParams, StepRow
-from ninfer.models.spec import ModelSpec
-from ninfer.models.weights import ModelWeights, StoredTensor
 from ninfer.sched.request import GenerationRequest
 from ninfer.sched.sequence import Sequence
+from tiny_models import tiny_llama
 
 PAGE = 4
 VOCAB = 64
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def tiny_model(*, vocab_size: int = VOCAB, max_context: int = 128, seed: int = 0):
-    """A random 2-layer llama (d 32, GQA 4/2) with float32 weights."""
-    spec = ModelSpec(
-        arch="llama", num_layers=2, d_model=32, d_ffn=64, num_heads=4, num_kv_heads=2,
-        head_dim=8, vocab_size=vocab_size, max_context=max_context, tie_embeddings=True,
-    )  # fmt: skip
-    rng = np.random.default_rng(seed)
-
-    def tensor(*shape, scale=0.3):
-        return StoredTensor("F32", shape, (rng.standard_normal(shape) * scale).astype(np.float32))
-
-    def ones(n):
-        return StoredTensor("F32", (n,), np.ones(n, np.float32))
-
-    tensors = {"embed": tensor(vocab_size, 32, scale=1.0), "final_norm": ones(32)}
-    for i in range(spec.num_layers):
-        tensors |= {
-            f"layers.{i}.attn_norm": ones(32), f"layers.{i}.ffn_norm": ones(32),
-            f"layers.{i}.wq": tensor(32, 32), f"layers.{i}.wk": tensor(16, 32),
-            f"layers.{i}.wv": tensor(16, 32), f"layers.{i}.wo": tensor(32, 32),
-            f"layers.{i}.w_gate": tensor(64, 32), f"layers.{i}.w_up": tensor(64, 32),
-            f"layers.{i}.w_down": tensor(32, 64),
-        }  # fmt: skip
-    return spec, ModelWeights(tensors, spec.num_layers)
-
-
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model()
+    return tiny_llama(vocab_size=VOCAB)
 
 
 def make_cache(runner, **kwargs) -> PrefixCache:

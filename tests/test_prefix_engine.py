@@ -17,7 +17,7 @@ from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.fake import ByteTokenizer
 from ninfer.sched.request import Finished, FinishReason, GenerationRequest, Started, TokenDelta
-from test_prefix_cache import tiny_model
+from tiny_models import tiny_llama
 
 PAGE = 4
 MAX_CONTEXT = 96
@@ -29,7 +29,7 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95)
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model(vocab_size=257, max_context=MAX_CONTEXT, seed=11)
+    return tiny_llama(vocab_size=257, max_context=MAX_CONTEXT, seed=11)
 
 
 def request(prompt: bytes, sampling=GREEDY, *, seed=7, max_tokens=6, **kwargs) -> GenerationRequest:

@@ -13,7 +13,7 @@ import pytest
 from ninfer.gpu.reference import ReferenceRunner
 from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
 from ninfer.models.hf_dir import load_hf_dir
-from test_hf_dir import build_tiny_dir
+from tiny_models import build_tiny_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

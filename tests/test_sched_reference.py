@@ -8,46 +8,18 @@ alone, greedy or seeded.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import trio
 
 from ninfer.gpu.reference import ReferenceRunner
 from ninfer.gpu.runner import SamplingParams
-from ninfer.models.spec import ModelSpec
-from ninfer.models.weights import ModelWeights, StoredTensor
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.request import FinishReason, GenerationRequest, Started
+from tiny_models import tiny_llama
 
 PAGE = 4
 MAX_CONTEXT = 48
-
-
-def tiny_model(vocab_size: int, seed: int = 0):
-    spec = ModelSpec(
-        arch="llama", num_layers=2, d_model=32, d_ffn=64, num_heads=4, num_kv_heads=2,
-        head_dim=8, vocab_size=vocab_size, max_context=MAX_CONTEXT, tie_embeddings=True,
-    )  # fmt: skip
-    rng = np.random.default_rng(seed)
-
-    def tensor(*shape, scale=0.3):
-        data = (rng.standard_normal(shape) * scale).astype(np.float32)
-        return StoredTensor("F32", shape, data)
-
-    def ones(n):
-        return StoredTensor("F32", (n,), np.ones(n, np.float32))
-
-    tensors = {"embed": tensor(vocab_size, 32, scale=1.0), "final_norm": ones(32)}
-    for i in range(spec.num_layers):
-        tensors |= {
-            f"layers.{i}.attn_norm": ones(32), f"layers.{i}.ffn_norm": ones(32),
-            f"layers.{i}.wq": tensor(32, 32), f"layers.{i}.wk": tensor(16, 32),
-            f"layers.{i}.wv": tensor(16, 32), f"layers.{i}.wo": tensor(32, 32),
-            f"layers.{i}.w_gate": tensor(64, 32), f"layers.{i}.w_up": tensor(64, 32),
-            f"layers.{i}.w_down": tensor(32, 64),
-        }  # fmt: skip
-    return spec, ModelWeights(tensors, spec.num_layers)
 
 
 PROMPTS = [
@@ -88,7 +60,7 @@ def tokenizer(smollm2):
 
 
 async def test_pressure_on_the_reference_runner_changes_no_token(tokenizer, smollm2):
-    model = tiny_model(tokenizer.vocab_size)
+    model = tiny_llama(vocab_size=tokenizer.vocab_size, max_context=MAX_CONTEXT)
     reqs = requests(tokenizer)
     stop_ids = ()  # random weights: let every request run to its length
     alone_runner = ReferenceRunner(model, num_pages=MAX_CONTEXT // PAGE, page_size=PAGE)

@@ -15,24 +15,15 @@ import time
 
 import anthropic
 import pytest
-from server_fixtures import metric_values, running_server, small_settings
+from server_fixtures import CITY_PARAMETERS, NO_PARAMETERS, metric_values, running_server, small_settings
 from test_grammar import validate
 
 API_KEY = "sk-ant-test"
 HI = [{"role": "user", "content": "Say hi to me."}]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0.0}
-WEATHER_TOOL = {
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-TIME_TOOL = {"name": "now", "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+WEATHER_TOOL = {"name": "get_weather", "description": "Current weather in a city", "input_schema": CITY_PARAMETERS}
+TIME_TOOL = {"name": "now", "input_schema": NO_PARAMETERS}
 
 
 @pytest.fixture(scope="module")

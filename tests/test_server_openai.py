@@ -10,26 +10,16 @@ import json
 
 import openai
 import pytest
-from server_fixtures import running_server, small_settings
+from server_fixtures import CITY_PARAMETERS, NO_PARAMETERS, running_server, small_settings
 from test_grammar import validate
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 WEATHER_TOOL = {
     "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Rome"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
+    "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": CITY_PARAMETERS},
 }
-TIME_TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
-                                                                            "additionalProperties": False}}}  # fmt: skip
+TIME_TOOL = {"type": "function", "function": {"name": "now", "parameters": NO_PARAMETERS}}
 
 
 @pytest.fixture(scope="module")

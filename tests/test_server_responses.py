@@ -13,7 +13,7 @@ import time
 
 import openai
 import pytest
-from server_fixtures import metric_values, running_server, small_settings
+from server_fixtures import CITY_PARAMETERS, metric_values, running_server, small_settings
 from test_grammar import validate
 
 from ninfer.protocols.responses_events import Response as WireResponse
@@ -25,12 +25,7 @@ WEATHER_TOOL = {
     "type": "function",
     "name": "get_weather",
     "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"enum": ["Paris", "Rome"]}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
+    "parameters": CITY_PARAMETERS,
     "strict": True,
 }
 

@@ -37,14 +37,6 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path):
-    """transformers' tokenizer built from the same GGUF file (an independent implementation)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-
-
-@pytest.fixture(scope="module")
 def tok(smollm2):
     return smollm2.tokenizer
 
