@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -85,6 +87,15 @@ def test_partial_tag_is_held_back_until_it_resolves():
     assert parser.feed("<tool_c") == []
     assert parser.feed('all>{"name": "f", "arguments": {}}</tool_call>') == [CallPiece("f", "{}")]
     assert parser.num_calls == 1
+
+
+@pytest.mark.parametrize("call", [WEATHER, TIME])
+def test_a_space_after_text_that_follows_a_call_survives_any_cut(call):
+    # Found by the property below: "Sure." and " " fed apart lost the space.
+    text = call + "Sure. "
+    for cut in range(len(text) + 1):
+        pieces = merged(feed_in_chunks(text, [cut]))
+        assert [p.text for p in pieces if isinstance(p, TextPiece)] == ["Sure. "], cut
 
 
 @settings(max_examples=200, deadline=None)

@@ -71,6 +71,7 @@ class ToolCallParser:
         self._buffer = ""
         self._in_call = False
         self._held_space = ""  # whitespace after a call, shown only if more text follows
+        self._after_call = False  # nothing but whitespace since the last call
         self.num_calls = 0
 
     def feed(self, text: str) -> list[Piece]:
@@ -121,16 +122,17 @@ class ToolCallParser:
             self._emit_text(raw, pieces)
             return
         self._held_space = ""
+        self._after_call = True
         self.num_calls += 1
         pieces.append(call)
 
     def _emit_text(self, text: str, pieces: list[Piece]) -> None:
         if not text:
             return
-        if self.num_calls and not text.strip():
+        if self._after_call and not text.strip():
             self._held_space += text
             return
-        text, self._held_space = self._held_space + text, ""
+        text, self._held_space, self._after_call = self._held_space + text, "", False
         if pieces and isinstance(pieces[-1], TextPiece):
             pieces[-1] = TextPiece(pieces[-1].text + text)
         else:
