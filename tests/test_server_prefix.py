@@ -95,3 +95,37 @@ def test_pressure_demotes_restores_and_evicts_with_exact_output(smollm2):
     assert final["ninfer_prefix_host_bytes"] <= 6 << 20
     assert final["ninfer_prefix_lookups_total"] == len(TOPICS) + 1
     assert final["ninfer_cached_prompt_tokens_total"] >= warm_usage.prompt_tokens_details.cached_tokens
+
+
+def test_read_only_requests_and_salts_through_every_api(smollm2):
+    with running_server(small_settings(), smollm2) as server:
+        client = server.openai()
+        model_id = client.models.list().data[0].id
+
+        def cached(text: str, **extra) -> int:
+            reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": text}],
+                                                   max_tokens=2, temperature=0, extra_body=extra)  # fmt: skip
+            return reply.usage.prompt_tokens_details.cached_tokens
+
+        # A read-only request publishes nothing: the same prompt afterwards finds no cache ...
+        assert cached(prompt("rivers"), cache_read_only=True) == 0
+        assert cached(prompt("rivers")) == 0
+        # ... but it reads what others published.
+        assert cached(prompt("rivers"), cache_read_only=True) > 0
+        # A salt is a tenant of its own, on every API.
+        assert cached(prompt("rivers"), cache_salt="tenant-a") == 0
+        anthropic = server.anthropic()
+        message = [{"role": "user", "content": prompt("rivers")}]
+        first = anthropic.messages.create(model=model_id, messages=message, max_tokens=2,
+                                          extra_body={"temperature": 0.0, "cache_salt": "tenant-a"})  # fmt: skip
+        assert first.usage.cache_read_input_tokens > 0  # tenant-a's entry from the chat call above
+        other = anthropic.messages.create(model=model_id, messages=message, max_tokens=2,
+                                          extra_body={"cache_salt": "tenant-b", "cache_read_only": True})  # fmt: skip
+        assert (other.usage.cache_read_input_tokens or 0) == 0
+        response = client.responses.create(model=model_id, input=prompt("rivers"), max_output_tokens=2,
+                                           extra_body={"cache_salt": "tenant-b"})  # fmt: skip
+        assert response.usage.input_tokens_details.cached_tokens == 0  # tenant-b's read published nothing
+        with server.http() as http:
+            bad = http.post("/v1/chat/completions", json={"model": model_id, "messages": message,
+                                                          "cache_read_only": "sometimes"})  # fmt: skip
+        assert bad.status_code == 400 and "cache_read_only" in bad.json()["error"]["message"]

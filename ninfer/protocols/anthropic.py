@@ -173,6 +173,9 @@ class MessagesRequest:
     output_config: OutputConfig | None = None
     cache_control: JsonObject | None = None
     seed: int | None = None
+    # ninfer extensions: prefix-cache tenant isolation and read-only participation
+    cache_salt: str | None = None
+    cache_read_only: bool = False
     # Accepted and ignored: one tier, one place, one speed here.
     service_tier: str | None = None
     inference_geo: str | None = None
@@ -222,7 +225,8 @@ def to_chat_call(request: MessagesRequest | CountTokensRequest, *, request_id: s
     if isinstance(request, MessagesRequest):
         sampling = SamplingOptions(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
         fields = {"max_tokens": request.max_tokens, "sampling": sampling, "seed": request.seed,
-                  "stop": tuple(request.stop_sequences)}  # fmt: skip
+                  "stop": tuple(request.stop_sequences), "cache_salt": request.cache_salt,
+                  "cache_read_only": request.cache_read_only}  # fmt: skip
     return ChatCall(
         messages=tuple(to_chat_messages(request)),
         tools=tuple(to_tools(request.tools)),

@@ -229,6 +229,7 @@ class ChatCompletionRequest(SamplerFields):
     logit_bias: JsonObject | None = None
     modalities: list[str] | None = None
     cache_salt: str | None = None
+    cache_read_only: bool | None = None  # ninfer extension: read the prefix cache, publish nothing
 
 
 @attrs.frozen(kw_only=True, field_transformer=_sampler_fields_after("max_tokens"))
@@ -244,6 +245,7 @@ class CompletionRequest(SamplerFields):
     suffix: str | None = None
     logit_bias: JsonObject | None = None
     cache_salt: str | None = None
+    cache_read_only: bool | None = None  # ninfer extension: read the prefix cache, publish nothing
 
 
 @attrs.frozen(kw_only=True)

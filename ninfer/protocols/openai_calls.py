@@ -138,7 +138,7 @@ def chat_call(req: ChatCompletionRequest, request_id: str) -> ChatCall:
         max_tokens=req.max_completion_tokens or req.max_tokens,
         sampling=_sampling(req), stop=_stop_tuple(req.stop), seed=req.seed,
         logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0,
-        cache_salt=req.cache_salt, request_id=request_id,
+        cache_salt=req.cache_salt, cache_read_only=bool(req.cache_read_only), request_id=request_id,
     )  # fmt: skip
 
 
@@ -156,7 +156,7 @@ def completion_call(req: CompletionRequest, request_id: str) -> CompletionCall:
         prompt=_single_prompt(req.prompt),
         max_tokens=req.max_tokens, sampling=_sampling(req), stop=_stop_tuple(req.stop),
         seed=req.seed, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
-        cache_salt=req.cache_salt, request_id=request_id,
+        cache_salt=req.cache_salt, cache_read_only=bool(req.cache_read_only), request_id=request_id,
     )  # fmt: skip
 
 

@@ -169,6 +169,9 @@ class ResponsesRequest:
     reasoning: JsonObject | None = None
     background: bool | None = None
     seed: int | None = None
+    # ninfer extensions: prefix-cache tenant isolation and read-only participation
+    cache_salt: str | None = None
+    cache_read_only: bool = False
 
 
 converter = make_converter()
@@ -225,6 +228,8 @@ def to_chat_call(
         seed=request.seed,
         logprobs=wants_logprobs(request),
         top_logprobs=request.top_logprobs or 0,
+        cache_salt=request.cache_salt,
+        cache_read_only=request.cache_read_only,
         request_id=request_id,
     )
 

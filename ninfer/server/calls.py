@@ -75,6 +75,7 @@ class GenerationOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_salt: str | None = None
+    cache_read_only: bool = False  # read the prefix cache, publish nothing
     request_id: str = ""
 
 

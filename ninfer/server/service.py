@@ -182,7 +182,7 @@ class GenerationService:
             max_tokens=self._max_tokens(len(prompt_ids), call.max_tokens),
             sampling=self._sampling(call.sampling), stop=stop, seed=call.seed,
             logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=constraint,
-            cache_salt=call.cache_salt, request_id=call.request_id,
+            cache_salt=call.cache_salt, cache_read_only=call.cache_read_only, request_id=call.request_id,
         )  # fmt: skip
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
