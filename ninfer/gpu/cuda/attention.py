@@ -33,6 +33,9 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
     epl = head_dim // 32
     nw = threads // 32
     ge = group * epl  # register array sizes must be compile-time constants
+    ch = max(1, 16 // epl)  # positions per warp whose K / V are loaded together (16 floats each)
+    num_chunks = -(-split_len // (nw * ch))
+    che = ch * epl
 
     def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
         b = cuda.blockIdx.x
@@ -50,8 +53,9 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
         acc = cuda.local.array(ge, float32)
         m = cuda.local.array(group, float32)
         lsum = cuda.local.array(group, float32)
-        kv = cuda.local.array(epl, float32)
-        vv = cuda.local.array(epl, float32)
+        kc = cuda.local.array(che, float32)
+        vc = cuda.local.array(che, float32)
+        sc = cuda.local.array(ch, float32)
         for g in range(group):
             h = kvh * group + g
             for e in range(epl):
@@ -59,27 +63,40 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
                 acc[g * epl + e] = float32(0.0)
             m[g] = float32(NEG_BIG)
             lsum[g] = float32(0.0)
-        for it in range((end - start + nw - 1) // nw):
-            p = start + it * nw + warp
-            valid = p < end
-            page = tables[b, p // page_size] if valid else 0
-            slot = p % page_size
-            for e in range(epl):
-                kv[e] = float32(k_cache[page, slot, kvh, lane + 32 * e]) if valid else float32(0.0)
-                vv[e] = float32(v_cache[page, slot, kvh, lane + 32 * e]) if valid else float32(0.0)
-            for g in range(group):
-                part = float32(0.0)
+        for c in range(num_chunks):
+            first = start + c * ch * nw
+            if first >= end:  # the same for the whole block
+                break
+            # every page index, then every K / V element of the chunk's positions, before any
+            # arithmetic: one round trip per chunk instead of one per position
+            for j in range(ch):
+                p = first + j * nw + warp
+                valid = p < end
+                page = tables[b, p // page_size] if valid else 0
+                slot = p % page_size
                 for e in range(epl):
-                    part += qr[g * epl + e] * kv[e]
-                s = warp_sum(part)
-                if valid:
-                    m_new = max(m[g], s)
-                    corr = math.exp(m[g] - m_new)
-                    pe = math.exp(s - m_new)
-                    lsum[g] = lsum[g] * corr + pe
+                    kc[j * epl + e] = float32(k_cache[page, slot, kvh, lane + 32 * e]) if valid else float32(0.0)
+                    vc[j * epl + e] = float32(v_cache[page, slot, kvh, lane + 32 * e]) if valid else float32(0.0)
+            for g in range(group):
+                m_new = m[g]
+                for j in range(ch):
+                    part = float32(0.0)
                     for e in range(epl):
-                        acc[g * epl + e] = acc[g * epl + e] * corr + pe * vv[e]
-                    m[g] = m_new
+                        part += qr[g * epl + e] * kc[j * epl + e]
+                    s = warp_sum(part)
+                    s = s if first + j * nw + warp < end else float32(NEG_BIG)
+                    sc[j] = s
+                    m_new = max(m_new, s)
+                corr = math.exp(m[g] - m_new)
+                lsum[g] *= corr
+                for e in range(epl):
+                    acc[g * epl + e] *= corr
+                for j in range(ch):
+                    pe = math.exp(sc[j] - m_new) if first + j * nw + warp < end else float32(0.0)
+                    lsum[g] += pe
+                    for e in range(epl):
+                        acc[g * epl + e] += pe * vc[j * epl + e]
+                m[g] = m_new
         # merge the warps' partial softmaxes through shared memory
         sm = cuda.shared.array((nw, group), float32)
         sl = cuda.shared.array((nw, group), float32)

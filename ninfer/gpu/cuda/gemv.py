@@ -16,12 +16,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, int32, types, uint32
 
 from ninfer.gpu.cuda.act_quant import dequantize_q8_ref
 from ninfer.gpu.cuda.dequant import DQ_WORD
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_sum, ld4_f32
-from ninfer.gpu.cuda.qdot import QDOT
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2
+from ninfer.gpu.cuda.qdot import QDOT, WDOT, WLOAD, WCOMP, WORDS, act_block
 
 THREADS = 32 if SIMULATOR else 128  # the simulator runs a Python thread per CUDA thread
 MAX_M = 64  # decode batches up to 64 rows stay on the GEMV (weights read once from memory)
@@ -42,19 +42,29 @@ def _make_fdot(dq):
     return fdot
 
 
-def make_gemv(qtype: str, mode: str, lanes: int, max_m: int):
+def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int = 1, unroll: int = 0,
+              prefetch: bool = False):
     """The plain Python kernel (compile with cuda.jit or cuda.compile_ptx).
 
-    Each lane handles `unroll` blocks per iteration with no branch between them (a block past
-    the row's end is clamped and weighted 0), so their loads are in flight together; rows past
-    `num_m` repeat the last row instead of branching (their sums are never stored). A block
-    covers activation rows 8 * blockIdx.x .. + max_m (max_m <= 8 accumulators stay in
-    registers); neighbouring blocks share weight rows, so extra row groups re-read weights
-    from L2, not from memory.
+    A group of `lanes` threads owns `rows_per_group` (R) consecutive weight rows; lane `sub`
+    walks blocks sub, sub + lanes, ... of all R rows, so (q8, one activation row) each loaded
+    activation block serves R weight rows and R x unroll 16-byte weight loads are in flight
+    per lane. Each lane handles `unroll` blocks per iteration with no branch between them (a
+    block past the row's end is clamped and weighted 0); rows past `num_m` / `num_rows`
+    repeat the last one instead of branching (their sums are never stored). A block covers
+    activation rows 8 * blockIdx.x .. + max_m (max_m <= 8 accumulators stay in registers);
+    neighbouring blocks share weight rows, so extra row groups re-read weights from L2.
     """
-    dot = QDOT[qtype] if mode == "q8" else _make_fdot(DQ_WORD[qtype])
-    rows_per_warp = 32 // lanes
-    unroll = 4 if max_m == 1 else 2
+    q8 = mode == "q8"
+    wdot = WDOT[qtype] if q8 else None
+    dot = QDOT[qtype] if q8 else _make_fdot(DQ_WORD[qtype])
+    R = rows_per_group
+    if R > 1 and max_m > 1:
+        raise ValueError("several rows per lane group need a single activation row")
+    if R > 1 and not q8:
+        raise ValueError("several rows per lane group are a q8 path")
+    rows_per_warp = (32 // lanes) * R
+    unroll = unroll or (4 if max_m == 1 else 2)
 
     def gemv(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
         lane = cuda.threadIdx.x % 32
@@ -67,6 +77,10 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int):
             acc[i] = float32(0.0)
         if row < num_rows:
             last = num_blocks - 1
+            if prefetch and q8:
+                wpb = qs.shape[1] // num_blocks  # quant words per block
+                for b in range(sub, num_blocks, lanes):
+                    prefetch_l2(qs, row, wpb * b)
             for blk0 in range(sub, num_blocks, lanes * unroll):
                 for u in range(unroll):
                     b = blk0 + u * lanes
@@ -81,12 +95,115 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int):
                     v += res[m0 + i, row]
                 out[m0 + i, row] = v
 
-    return gemv
+    def gemv_rows(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
+        """One activation row, R weight rows per lane group sharing each activation block."""
+        lane = cuda.threadIdx.x % 32
+        warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
+        row0 = warp * rows_per_warp + (lane // lanes) * R
+        sub = lane % lanes
+        acc = cuda.local.array(R, float32)
+        for r in range(R):
+            acc[r] = float32(0.0)
+        if row0 < num_rows:
+            last = num_blocks - 1
+            last_row = num_rows - 1
+            for blk0 in range(sub, num_blocks, lanes * unroll):
+                for u in range(unroll):
+                    b = blk0 + u * lanes
+                    f = float32(1.0) if b <= last else float32(0.0)
+                    bb = min(b, last)
+                    a0, a1, a2, a3, a4, a5, a6, a7, dx, sx = act_block(xa, xs, 0, bb)
+                    for r in range(R):
+                        acc[r] += f * wdot(qs, d16, aux, sc8, min(row0 + r, last_row), bb,
+                                           a0, a1, a2, a3, a4, a5, a6, a7, dx, sx)  # fmt: skip
+        for r in range(R):
+            row = row0 + r
+            v = group_sum(acc[r], lanes)  # every thread takes part in the shuffles
+            if sub == 0 and row < num_rows:
+                if has_res:
+                    v += res[0, row]
+                out[0, row] = v
+
+    if R == 1:
+        return gemv
+    return _make_gemv_split(qtype, lanes, R, unroll, prefetch) if qtype in WLOAD else gemv_rows
+
+
+def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool):
+    """`gemv_rows` for Q4_0 / Q4_1 / Q8_0 with every load of an iteration (unroll activation
+    blocks, R x unroll weight blocks) issued before any arithmetic (qdot.WLOAD / WCOMP)."""
+    wload, wcomp = WLOAD[qtype], WCOMP[qtype]
+    rows_per_warp = (32 // lanes) * R
+    U = unroll
+    nw = WORDS[qtype] * U * R
+    ns = 2 * U * R
+    na = 8 * U
+    nx = 2 * U
+
+    def gemv_split(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
+        lane = cuda.threadIdx.x % 32
+        warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
+        row0 = warp * rows_per_warp + (lane // lanes) * R
+        sub = lane % lanes
+        acc = cuda.local.array(R, float32)
+        W = cuda.local.array(nw, uint32)
+        S = cuda.local.array(ns, float32)
+        A = cuda.local.array(na, uint32)
+        X = cuda.local.array(nx, float32)
+        for r in range(R):
+            acc[r] = float32(0.0)
+        if row0 < num_rows:
+            last = num_blocks - 1
+            last_row = num_rows - 1
+            if prefetch:  # the lane's whole share of its rows on its way to L2 before any load
+                wpb = qs.shape[1] // num_blocks
+                for b in range(sub, num_blocks, lanes):
+                    for r in range(R):
+                        prefetch_l2(qs, min(row0 + r, last_row), wpb * b)
+            for blk0 in range(sub, num_blocks, lanes * U):
+                for u in range(U):
+                    bb = min(blk0 + u * lanes, last)
+                    A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32(xa, 0, 8 * bb)
+                    A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32(xa, 0, 8 * bb + 4)
+                    X[2 * u], X[2 * u + 1] = ld2_f32(xs, 0, 2 * bb)
+                    for r in range(R):
+                        wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
+                for u in range(U):
+                    f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
+                    for r in range(R):
+                        acc[r] += f * wcomp(W, S, u * R + r, A, X, u)
+        for r in range(R):
+            row = row0 + r
+            v = group_sum(acc[r], lanes)  # every thread takes part in the shuffles
+            if sub == 0 and row < num_rows:
+                if has_res:
+                    v += res[0, row]
+                out[0, row] = v
+
+    return gemv_split
 
 
 @functools.cache
-def gemv_kernel(qtype: str, mode: str, lanes: int, max_m: int):
-    return cuda.jit(make_gemv(qtype, mode, lanes, max_m))
+def gemv_kernel(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int = 1, unroll: int = 0,
+                prefetch: bool = False):
+    return cuda.jit(make_gemv(qtype, mode, lanes, max_m, rows_per_group, unroll, prefetch))
+
+
+def shape_for(qtype: str, mode: str, num_blocks: int, num_m: int, rows: int = 0) -> tuple[int, int, int, bool]:
+    """(lanes, rows per lane group, unroll, L2 prefetch) for one launch. One activation row on
+    the q8 path shares each activation load between two weight rows and issues all of an
+    iteration's loads before its arithmetic (more weight bytes in flight per register),
+    except for very tall matrices (an 8B model's LM head), where one row per group measured
+    faster. From `python -m ninfer.gpu.cuda.gemv_tune` on the H200 (docs/performance.md):
+    the L2 prefetch lost 5-20 % everywhere, so it stays off."""
+    lanes = lanes_for(num_blocks)
+    if SIMULATOR or mode != "q8" or num_m != 1 or rows >= TALL_ROWS:
+        return lanes, 1, 0, False
+    return lanes, ONE_ROW_SHAPE[0], ONE_ROW_SHAPE[1], False
+
+
+ONE_ROW_SHAPE = (2, 4)  # (rows per lane group, unroll) of the q8 one-activation-row GEMV
+TALL_ROWS = 65536  # from this many rows up, one row per lane group
 
 
 def lanes_for(num_blocks: int) -> int:
@@ -107,18 +224,25 @@ def bucket_m(num_m: int) -> int:
     return min(1 << (num_m - 1).bit_length(), MGROUP)
 
 
-def gemv(w, xa, xs, out, res, num_m: int, mode: str, stream=0, lanes: int | None = None) -> None:
+def gemv(w, xa, xs, out, res, num_m: int, mode: str, stream=0, lanes: int | None = None, shape=None,
+         prefetch: bool | None = None) -> None:
     """out[:num_m] = xa[:num_m] @ w.T (+ res); `w` a DeviceWeight; mode 'q8' or 'f32'.
 
     q8: xa is the uint32 view of the int8 activations and xs their scales; f32: xa is float32
-    [M, cols] and xs is ignored. `res` None means no residual.
+    [M, cols] and xs is ignored. `res` None means no residual. `shape` = (rows per lane group,
+    unroll) and `prefetch` override `shape_for` (tests, tuning).
     """
     if mode == "q8" and w.qtype in FLOAT_QTYPES:
         raise ValueError(f"{w.qtype} weights have no int8 path; use mode 'f32'")
-    lanes = lanes or lanes_for(w.num_blocks)
-    rows_per_block = (THREADS // 32) * (32 // lanes)
+    auto_lanes, rpg, unroll, pf = shape_for(w.qtype, mode, w.num_blocks, num_m, w.rows)
+    if shape is not None:
+        rpg, unroll = shape
+    if prefetch is not None:
+        pf = prefetch
+    lanes = lanes or auto_lanes
+    rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
     grid = (-(-num_m // MGROUP), (w.rows + rows_per_block - 1) // rows_per_block)
-    kernel = gemv_kernel(w.qtype, mode, lanes, bucket_m(num_m))
+    kernel = gemv_kernel(w.qtype, mode, lanes, bucket_m(num_m), rpg, unroll, pf)
     has_res = res is not None
     kernel[grid, THREADS, stream](*w.planes, xa, xs, out, res if has_res else out, w.rows, w.num_blocks, num_m, has_res)
 
@@ -148,4 +272,10 @@ def ptx_cases():
             sig = (*plane_types(qtype), xa, f32_2d, f32_2d, f32_2d, int32, int32, int32, types.boolean)
             for lanes, max_m in ((32, 1), (8, 8)):
                 cases.append((f"gemv_{mode}_{qtype}_l{lanes}_m{max_m}", make_gemv(qtype, mode, lanes, max_m), sig))
+            if mode == "q8":
+                for lanes, rpg, unroll in ((32, *ONE_ROW_SHAPE), (16, 2, 4), (32, 4, 2), (32, 2, 2)):
+                    name = f"gemv_q8_{qtype}_l{lanes}_m1_r{rpg}_u{unroll}"
+                    cases.append((name, make_gemv(qtype, mode, lanes, 1, rpg, unroll, True), sig))
+                cases.append((f"gemv_q8_{qtype}_l8_m8_pf", make_gemv(qtype, mode, 8, 8, 1, 0, True), sig))
+                cases.append((f"gemv_q8_{qtype}_l32_m1_u8_pf", make_gemv(qtype, mode, 32, 1, 1, 8, True), sig))
     return cases

@@ -1,6 +1,6 @@
 """PTX instructions numba does not wrap, and warp reductions, each with a simulator twin.
 
-GPU builds reach `dp4a`, 16-byte vector loads, bit casts, f16x2 packing and `mma.sync` through
+GPU builds reach `dp4a`, 16-, 8- and 4-byte vector loads, bit casts, f16x2 packing and `mma.sync` through
 `@intrinsic`s whose codegen emits llvmlite `InlineAsm`. numba's CUDA simulator runs kernels
 as Python and has no warp shuffles, so under `NUMBA_ENABLE_CUDASIM=1` every name here is a
 plain-Python (or shared-memory) version with the same result. Rules for callers:
@@ -80,6 +80,50 @@ if not SIMULATOR:
 
     ld4_u32 = _make_ld4(types.uint32, _I32, "r", "u32")
     ld4_f32 = _make_ld4(types.float32, _F32, "f", "f32")
+
+    def _elem_addr(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
+    def _pair_codegen(text):
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature, args)
+            st = ir.LiteralStructType([_F32, _F32])
+            res = _asm_call(builder, st, [ir.IntType(64)], text, "=f,=f,l", [addr])
+            ret = types.UniTuple(types.float32, 2)
+            return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(2)])
+
+        return codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, arr, row, col):
+        """Start fetching the line holding arr[row, col] into L2 (no register, no wait)."""
+        sig = types.void(arr, row, col)
+
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature, args)
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
+            builder.call(ir.InlineAsm(fnty, "prefetch.global.L2 [$0];", "l", side_effect=True), [addr])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def ld2_f32(typingctx, arr, row, col):
+        """arr[row, col], arr[row, col + 1] (float32, col even) in one 8-byte load."""
+        sig = types.UniTuple(types.float32, 2)(arr, row, col)
+        return sig, _pair_codegen("ld.global.nc.v2.f32 {$0,$1}, [$2];")
+
+    @intrinsic
+    def ld_h2(typingctx, arr, row, col):
+        """arr[row, col], arr[row, col + 1] (float16, col even) as float32, in one 4-byte load."""
+        sig = types.UniTuple(types.float32, 2)(arr, row, col)
+        text = ("{ .reg .b32 t; .reg .b16 lo, hi; ld.global.nc.b32 t, [$2]; mov.b32 {lo, hi}, t; "
+                "cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+        return sig, _pair_codegen(text)
 
     @intrinsic
     def bits_to_f32(typingctx, bits):
@@ -186,6 +230,14 @@ else:
 
     def ld4_f32(arr, row, col):
         return (float32(arr[row, col]), float32(arr[row, col + 1]), float32(arr[row, col + 2]), float32(arr[row, col + 3]))
+
+    def ld2_f32(arr, row, col):
+        return (float32(arr[row, col]), float32(arr[row, col + 1]))
+
+    ld_h2 = ld2_f32
+
+    def prefetch_l2(arr, row, col):
+        pass
 
     def bits_to_f32(bits):
         return np.array([int(bits) & _M32], dtype=np.uint32).view(np.float32)[0]

@@ -84,7 +84,7 @@ def check_embed(scale, rng):
 # -- linears ----------------------------------------------------------------------------------
 
 
-def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny):
+def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny, shape=None):
     cols = _cols(q, tiny)
     t = random_stored(q, rows, cols, rng)
     x = rng.standard_normal((num_m, cols)).astype(np.float32)
@@ -93,12 +93,13 @@ def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny):
     w = _weight(pack_tensor(t))
     if mode == "q8":
         xq, xs = act_quant.quantize_q8_ref(x)
-        gemv.gemv(w, _dev(xq.view(np.uint32)), _dev(xs), out, _dev(res), num_m, "q8", lanes=lanes)
+        gemv.gemv(w, _dev(xq.view(np.uint32)), _dev(xs), out, _dev(res), num_m, "q8", lanes=lanes, shape=shape,
+                  prefetch=shape is not None)
         want = gemv.gemv_q8_ref(t.dequantize(), xq, xs, res)
     else:
         gemv.gemv(w, _dev(x), _dev(np.zeros((1, 1), np.float32)), out, None, num_m, "f32", lanes=lanes)
         want = gemv.gemv_ref(t.dequantize(), x, None)
-    _close(out.copy_to_host(), want, 2e-5, f"gemv {mode} {q} lanes {lanes} m {num_m}")
+    _close(out.copy_to_host(), want, 2e-5, f"gemv {mode} {q} lanes {lanes} m {num_m} shape {shape}")
 
 
 def check_gemv_q8(scale, rng):
@@ -107,6 +108,9 @@ def check_gemv_q8(scale, rng):
         for lanes in (8, 16, 32) if not tiny else ((8, 16, 32)[i % 3],):
             for num_m in (1, 11) if tiny else (1, 4, 8, 64):
                 _gemv_case(q, "q8", lanes, num_m, 5 if tiny else 3000, rng, tiny)
+        # one activation row, several weight rows per lane group (row count not a multiple)
+        for lanes, shape in ((((8, 16, 32)[i % 3], (2, 4)),) if tiny else ((32, (2, 4)), (16, (2, 4)), (32, (4, 2)), (32, (2, 8)))):
+            _gemv_case(q, "q8", lanes, 1, 5 if tiny else 3001, rng, tiny, shape)
 
 
 def check_gemv_f32(scale, rng):
@@ -134,7 +138,11 @@ def check_gemm(scale, rng):
 
 
 def check_rmsnorm(scale, rng):
-    t_rows, d = (3, 96) if scale == "tiny" else (200, 4096)
+    for d in (96, 320) if scale == "tiny" else (576, 4096, 8192):  # one and two column chunks per thread
+        _rmsnorm_case(3 if scale == "tiny" else 200, d, rng)
+
+
+def _rmsnorm_case(t_rows, d, rng):
     x = rng.standard_normal((t_rows, d)).astype(np.float32) * 3
     res = rng.standard_normal((t_rows, d)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)

@@ -14,16 +14,28 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, types
+from numba import cuda, float32, int32, types
 
-from ninfer.gpu.cuda.act_quant import quantize_q8_ref, store_q8
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum
+from ninfer.gpu.cuda.act_quant import quantize_q8_ref
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum, group_max, group_sum, ld4_f32
 
-THREADS = 64 if SIMULATOR else 256
+MAX_THREADS = 64 if SIMULATOR else 1024
 
 
-def make_rmsnorm(mode: str, threads: int = THREADS):
-    nwarps = threads // 32
+def plan_threads(d: int, max_threads: int = MAX_THREADS) -> tuple[int, int]:
+    """(threads, chunks): each thread keeps `chunks` runs of 4 consecutive columns in registers,
+    so the whole row is read once, with every warp busy (d % 32 == 0)."""
+    quads = d // 4
+    chunks = -(-quads // max_threads)
+    threads = -(-quads // chunks)
+    return -(-threads // 32) * 32, chunks
+
+
+def make_rmsnorm(mode: str, threads: int, chunks: int):
+    """Thread t holds columns 4 (t + threads c) .. + 3 for c < chunks; in q8 mode the 8 lanes
+    of an aligned lane group hold one 32-column quantization block, so the block's max and sum
+    are 3-step shuffles and the whole row quantizes in one pass, without a serial loop."""
+    n = 4 * chunks
 
     def rmsnorm(x, res, w, eps, rows, out, xs, has_res, has_rows):
         i = cuda.blockIdx.x
@@ -31,40 +43,74 @@ def make_rmsnorm(mode: str, threads: int = THREADS):
         scratch = cuda.shared.array(33, float32)
         src = rows[i] if has_rows else i
         d = x.shape[1]
+        vals = cuda.local.array(n, float32)
         ss = float32(0.0)
-        for c in range(tid, d, threads):
-            v = x[src, c]
-            if has_res:
-                v += res[src, c]
-                x[src, c] = v
-            ss += v * v
+        for c in range(chunks):
+            col = 4 * (tid + threads * c)
+            if col < d:
+                v0, v1, v2, v3 = ld4_f32(x, src, col)  # 16-byte loads (read before this thread writes)
+                if has_res:
+                    r0, r1, r2, r3 = ld4_f32(res, src, col)
+                    v0, v1, v2, v3 = v0 + r0, v1 + r1, v2 + r2, v3 + r3
+                    x[src, col] = v0
+                    x[src, col + 1] = v1
+                    x[src, col + 2] = v2
+                    x[src, col + 3] = v3
+                vals[4 * c] = v0
+                vals[4 * c + 1] = v1
+                vals[4 * c + 2] = v2
+                vals[4 * c + 3] = v3
+                ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+            else:
+                for k in range(4):
+                    vals[4 * c + k] = float32(0.0)
         total = block_sum(ss, scratch)
         r = float32(1.0) / math.sqrt(total / float32(d) + eps)
-        if mode == "f32":
-            for c in range(tid, d, threads):
-                out[i, c] = x[src, c] * r * w[c]
-        else:
-            lane = tid % 32
-            nb = d // 32
-            for it in range((nb + nwarps - 1) // nwarps):
-                blk = it * nwarps + tid // 32
-                valid = blk < nb
-                c = 32 * blk + lane
-                v = x[src, c] * r * w[c] if valid else float32(0.0)
-                store_q8(v, valid, out, xs, i, blk, lane)
+        lane = tid % 32
+        for c in range(chunks):
+            col = 4 * (tid + threads * c)
+            valid = col < d
+            amax = float32(0.0)
+            for k in range(4):
+                y = vals[4 * c + k] * r * (w[col + k] if valid else float32(0.0))
+                vals[4 * c + k] = y
+                amax = max(amax, abs(y))
+            if mode == "f32":
+                if valid:
+                    for k in range(4):
+                        out[i, col + k] = vals[4 * c + k]
+            else:
+                amax = group_max(amax, 8)  # every lane takes part in the shuffles
+                dq = amax / float32(127.0)
+                inv = float32(1.0) / dq if dq > float32(0.0) else float32(0.0)
+                qsum = int32(0)
+                for k in range(4):
+                    q = int32(math.floor(vals[4 * c + k] * inv + float32(0.5)))
+                    q = min(max(q, -127), 127)
+                    qsum += q
+                    if valid:
+                        out[i, col + k] = q
+                total_q = group_sum(float32(qsum), 8)
+                if valid and lane % 8 == 0:
+                    blk = col // 32
+                    xs[i, 2 * blk] = dq
+                    xs[i, 2 * blk + 1] = dq * total_q
 
     return rmsnorm
 
 
 @functools.cache
-def rmsnorm_kernel(mode: str, threads: int = THREADS):
-    return cuda.jit(make_rmsnorm(mode, threads))
+def rmsnorm_kernel(mode: str, threads: int, chunks: int):
+    return cuda.jit(make_rmsnorm(mode, threads, chunks))
 
 
-def rmsnorm(x, res, w, eps, rows, out, xs, num_rows, mode, has_res, has_rows, stream=0, threads=THREADS) -> None:
+def rmsnorm(x, res, w, eps, rows, out, xs, num_rows, mode, has_res, has_rows, stream=0) -> None:
     """Launch over `num_rows` output rows. Every array argument must be given (device arrays
     on the GPU: a host array would be copied per launch); the flags say which ones count."""
-    rmsnorm_kernel(mode, threads)[num_rows, threads, stream](x, res, w, np.float32(eps), rows, out, xs, has_res, has_rows)
+    threads, chunks = plan_threads(x.shape[1])
+    rmsnorm_kernel(mode, threads, chunks)[num_rows, threads, stream](
+        x, res, w, np.float32(eps), rows, out, xs, has_res, has_rows
+    )
 
 
 def rmsnorm_ref(x, res, w, eps, rows, mode):
@@ -84,4 +130,8 @@ def ptx_cases():
     f2 = types.float32[:, ::1]
     i8 = types.int8[:, ::1]
     sig = lambda o: (f2, f2, types.float32[::1], types.float32, types.int32[::1], o, f2, types.boolean, types.boolean)  # noqa: E731
-    return [("rmsnorm_f32", make_rmsnorm("f32"), sig(f2)), ("rmsnorm_q8", make_rmsnorm("q8"), sig(i8))]
+    cases = [("rmsnorm_f32", make_rmsnorm("f32", *plan_threads(4096)), sig(f2)),
+             ("rmsnorm_q8", make_rmsnorm("q8", *plan_threads(4096)), sig(i8))]
+    for d in (576, 8192):  # partial last warp; two chunks per thread
+        cases.append((f"rmsnorm_q8_d{d}", make_rmsnorm("q8", *plan_threads(d)), sig(i8)))
+    return cases

@@ -1,6 +1,7 @@
 """Integer dot products of one weight block with one int8 activation block (`dp4a`).
 
-`QDOT[qtype](qs, d16, aux, sc8, row, blk, xq, xs, m)` is the float32 dot product of 32-element
+`QDOT[qtype](qs, d16, aux, sc8, row, blk, xq, xs, m)` (and `WDOT[qtype]`, which takes the
+activation block already loaded) is the float32 dot product of 32-element
 block `blk` of weight `row` with block `blk` of activation row `m`. Activations are quantized
 per 32-element block as in llama.cpp's Q8_1: `xq` holds int8 values (read here as uint32
 words [M, cols / 4]) and `xs[m, 2 blk]` / `xs[m, 2 blk + 1]` hold the block scale `dx` and
@@ -17,7 +18,7 @@ from __future__ import annotations
 from numba import float32, int32, uint32
 
 from ninfer.gpu.cuda.dequant import LOW_NIBBLES, k4_scale_min, spread_bits4
-from ninfer.gpu.cuda.intrinsics import dp4a, ld4_u32, device
+from ninfer.gpu.cuda.intrinsics import device, dp4a, ld2_f32, ld4_u32, ld_h2
 
 _L = uint32(LOW_NIBBLES)
 
@@ -43,27 +44,30 @@ def dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7):
 
 
 @device
-def nib_dot(qs, row, blk, xq, m):
-    """sum(q * xq) over a 16-byte nibble block (low nibbles: elements 0..15, high: 16..31)."""
-    w0, w1, w2, w3 = ld4_u32(qs, row, 4 * blk)
+def act_block(xq, xs, m, blk):
+    """Activation block `blk` of row m: eight int8x4 words, its scale dx and dx * sum(xq)."""
     a0, a1, a2, a3, a4, a5, a6, a7 = act8(xq, m, blk)
-    four = uint32(4)
-    return dot8(
-        w0 & _L, w1 & _L, w2 & _L, w3 & _L,
-        (w0 >> four) & _L, (w1 >> four) & _L, (w2 >> four) & _L, (w3 >> four) & _L,
-        a0, a1, a2, a3, a4, a5, a6, a7,
-    )  # fmt: skip
+    dx, sx = ld2_f32(xs, m, 2 * blk)
+    return a0, a1, a2, a3, a4, a5, a6, a7, dx, sx
 
 
 @device
-def q5_dot(qs, aux, row, blk, xq, m):
-    """sum(q * xq) over a Q5 block: nibbles plus the fifth bits from `aux`."""
+def nib_words(qs, row, blk):
+    """A 16-byte nibble block as eight words of bytes 0..15 (low nibbles first)."""
+    w0, w1, w2, w3 = ld4_u32(qs, row, 4 * blk)
+    four = uint32(4)
+    return (w0 & _L, w1 & _L, w2 & _L, w3 & _L,
+            (w0 >> four) & _L, (w1 >> four) & _L, (w2 >> four) & _L, (w3 >> four) & _L)  # fmt: skip
+
+
+@device
+def q5_words(qs, aux, row, blk):
+    """A Q5 block's eight words: nibbles plus the fifth bits from `aux`."""
     w0, w1, w2, w3 = ld4_u32(qs, row, 4 * blk)
     h = uint32(aux[row, blk])
-    a0, a1, a2, a3, a4, a5, a6, a7 = act8(xq, m, blk)
     four = uint32(4)
     f = uint32(0xF)
-    return dot8(
+    return (
         (w0 & _L) | spread_bits4(h & f),
         (w1 & _L) | spread_bits4((h >> uint32(4)) & f),
         (w2 & _L) | spread_bits4((h >> uint32(8)) & f),
@@ -72,65 +76,67 @@ def q5_dot(qs, aux, row, blk, xq, m):
         ((w1 >> four) & _L) | spread_bits4((h >> uint32(20)) & f),
         ((w2 >> four) & _L) | spread_bits4((h >> uint32(24)) & f),
         ((w3 >> four) & _L) | spread_bits4((h >> uint32(28)) & f),
-        a0, a1, a2, a3, a4, a5, a6, a7,
-    )  # fmt: skip
+    )
+
+
+# `wdot_*(qs, d16, aux, sc8, row, blk, a0..a7, dx, sx)`: the block's dot product with an
+# activation block already in registers (act_block), so one load serves several weight rows.
 
 
 @device
-def qdot_q4_0(qs, d16, aux, sc8, row, blk, xq, xs, m):
-    s = nib_dot(qs, row, blk, xq, m)
-    return float32(d16[row, blk]) * (xs[m, 2 * blk] * float32(s) - float32(8.0) * xs[m, 2 * blk + 1])
+def wdot_q4_0(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
+    w0, w1, w2, w3, w4, w5, w6, w7 = nib_words(qs, row, blk)
+    s = dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7)
+    return float32(d16[row, blk]) * (dx * float32(s) - float32(8.0) * sx)
 
 
 @device
-def qdot_q4_1(qs, d16, aux, sc8, row, blk, xq, xs, m):
-    s = nib_dot(qs, row, blk, xq, m)
-    d = float32(d16[row, 2 * blk])
-    mn = float32(d16[row, 2 * blk + 1])
-    return d * xs[m, 2 * blk] * float32(s) + mn * xs[m, 2 * blk + 1]
+def wdot_q4_1(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
+    w0, w1, w2, w3, w4, w5, w6, w7 = nib_words(qs, row, blk)
+    s = dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7)
+    d, mn = ld_h2(d16, row, 2 * blk)
+    return d * dx * float32(s) + mn * sx
 
 
 @device
-def qdot_q5_0(qs, d16, aux, sc8, row, blk, xq, xs, m):
-    s = q5_dot(qs, aux, row, blk, xq, m)
-    return float32(d16[row, blk]) * (xs[m, 2 * blk] * float32(s) - float32(16.0) * xs[m, 2 * blk + 1])
+def wdot_q5_0(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
+    w0, w1, w2, w3, w4, w5, w6, w7 = q5_words(qs, aux, row, blk)
+    s = dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7)
+    return float32(d16[row, blk]) * (dx * float32(s) - float32(16.0) * sx)
 
 
 @device
-def qdot_q5_1(qs, d16, aux, sc8, row, blk, xq, xs, m):
-    s = q5_dot(qs, aux, row, blk, xq, m)
-    d = float32(d16[row, 2 * blk])
-    mn = float32(d16[row, 2 * blk + 1])
-    return d * xs[m, 2 * blk] * float32(s) + mn * xs[m, 2 * blk + 1]
+def wdot_q5_1(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
+    w0, w1, w2, w3, w4, w5, w6, w7 = q5_words(qs, aux, row, blk)
+    s = dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7)
+    d, mn = ld_h2(d16, row, 2 * blk)
+    return d * dx * float32(s) + mn * sx
 
 
 @device
-def qdot_q8_0(qs, d16, aux, sc8, row, blk, xq, xs, m):
+def wdot_q8_0(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
     w0, w1, w2, w3 = ld4_u32(qs, row, 8 * blk)
     w4, w5, w6, w7 = ld4_u32(qs, row, 8 * blk + 4)
-    a0, a1, a2, a3, a4, a5, a6, a7 = act8(xq, m, blk)
     s = dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7)
-    return float32(d16[row, blk]) * xs[m, 2 * blk] * float32(s)
+    return float32(d16[row, blk]) * dx * float32(s)
 
 
 @device
-def qdot_q4_k(qs, d16, aux, sc8, row, blk, xq, xs, m):
+def wdot_q4_k(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
     sb = blk >> 3
     s = blk & 7
     base = 32 * sb + 8 * (s >> 1)
     shift = uint32(4 * (s & 1))
     w0, w1, w2, w3 = ld4_u32(qs, row, base)
     w4, w5, w6, w7 = ld4_u32(qs, row, base + 4)
-    a0, a1, a2, a3, a4, a5, a6, a7 = act8(xq, m, blk)
     isum = dot8(
         (w0 >> shift) & _L, (w1 >> shift) & _L, (w2 >> shift) & _L, (w3 >> shift) & _L,
         (w4 >> shift) & _L, (w5 >> shift) & _L, (w6 >> shift) & _L, (w7 >> shift) & _L,
         a0, a1, a2, a3, a4, a5, a6, a7,
     )  # fmt: skip
     sc, mn = k4_scale_min(aux, row, sb, s)
-    dl = float32(d16[row, 2 * sb]) * float32(sc)
-    ml = float32(d16[row, 2 * sb + 1]) * float32(mn)
-    return dl * xs[m, 2 * blk] * float32(isum) - ml * xs[m, 2 * blk + 1]
+    dk, mk = ld_h2(d16, row, 2 * sb)
+    return dk * float32(sc) * dx * float32(isum) - mk * float32(mn) * sx
 
 
 @device
@@ -148,7 +154,7 @@ def q6_word(ql, qh, shift_l, shift_h):
 
 
 @device
-def qdot_q6_k(qs, d16, aux, sc8, row, blk, xq, xs, m):
+def wdot_q6_k(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
     sb = blk >> 3
     s = blk & 7
     n = s >> 2
@@ -157,7 +163,6 @@ def qdot_q6_k(qs, d16, aux, sc8, row, blk, xq, xs, m):
     l4, l5, l6, l7 = ld4_u32(qs, row, 32 * sb + 16 * n + 8 * (g & 1) + 4)
     h0, h1, h2, h3 = ld4_u32(aux, row, 16 * sb + 8 * n)
     h4, h5, h6, h7 = ld4_u32(aux, row, 16 * sb + 8 * n + 4)
-    a0, a1, a2, a3, a4, a5, a6, a7 = act8(xq, m, blk)
     sl = uint32(4 * (g >> 1))
     sh = uint32(2 * g)
     lo = dp4a(q6_word(l0, h0, sl, sh), a0, 0)
@@ -169,10 +174,85 @@ def qdot_q6_k(qs, d16, aux, sc8, row, blk, xq, xs, m):
     hi = dp4a(q6_word(l6, h6, sl, sh), a6, hi)
     hi = dp4a(q6_word(l7, h7, sl, sh), a7, hi)
     isum = int32(sc8[row, 16 * sb + 2 * s]) * lo + int32(sc8[row, 16 * sb + 2 * s + 1]) * hi
-    return float32(d16[row, sb]) * xs[m, 2 * blk] * float32(isum)
+    return float32(d16[row, sb]) * dx * float32(isum)
 
 
-QDOT = {
-    "Q4_0": qdot_q4_0, "Q4_1": qdot_q4_1, "Q5_0": qdot_q5_0, "Q5_1": qdot_q5_1,
-    "Q8_0": qdot_q8_0, "Q4_K": qdot_q4_k, "Q6_K": qdot_q6_k,
+WDOT = {
+    "Q4_0": wdot_q4_0, "Q4_1": wdot_q4_1, "Q5_0": wdot_q5_0, "Q5_1": wdot_q5_1,
+    "Q8_0": wdot_q8_0, "Q4_K": wdot_q4_k, "Q6_K": wdot_q6_k,
 }  # fmt: skip
+
+
+def _make_qdot(wdot):
+    @device
+    def qdot(qs, d16, aux, sc8, row, blk, xq, xs, m):
+        a0, a1, a2, a3, a4, a5, a6, a7, dx, sx = act_block(xq, xs, m, blk)
+        return wdot(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx)
+
+    return qdot
+
+
+QDOT = {q: _make_qdot(f) for q, f in WDOT.items()}
+
+
+# -- loads first, arithmetic after: the one-row GEMV's split of a block dot product -------------
+#
+# `WLOAD[qtype](qs, d16, row, blk, W, S, i)` stores block `blk` of weight `row` in slot i of the
+# register arrays W (quant words, WORDS[qtype] per slot) and S (two scales per slot); then
+# `WCOMP[qtype](W, S, i, A, X, u)` is its dot product with activation slot u (A: eight words
+# per slot, X: dx, sx per slot). The GEMV issues every load of an iteration before the first
+# dp4a, so they are all in flight together.
+
+
+@device
+def wload_q4_0(qs, d16, row, blk, W, S, i):
+    W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3] = ld4_u32(qs, row, 4 * blk)
+    S[2 * i] = float32(d16[row, blk])
+
+
+@device
+def wload_q4_1(qs, d16, row, blk, W, S, i):
+    W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3] = ld4_u32(qs, row, 4 * blk)
+    S[2 * i], S[2 * i + 1] = ld_h2(d16, row, 2 * blk)
+
+
+@device
+def wload_q8_0(qs, d16, row, blk, W, S, i):
+    W[8 * i], W[8 * i + 1], W[8 * i + 2], W[8 * i + 3] = ld4_u32(qs, row, 8 * blk)
+    W[8 * i + 4], W[8 * i + 5], W[8 * i + 6], W[8 * i + 7] = ld4_u32(qs, row, 8 * blk + 4)
+    S[2 * i] = float32(d16[row, blk])
+
+
+@device
+def _nib_isum(W, i, A, u):
+    four = uint32(4)
+    w0, w1, w2, w3 = W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3]
+    return dot8(
+        w0 & _L, w1 & _L, w2 & _L, w3 & _L,
+        (w0 >> four) & _L, (w1 >> four) & _L, (w2 >> four) & _L, (w3 >> four) & _L,
+        A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3], A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7],
+    )  # fmt: skip
+
+
+@device
+def wcomp_q4_0(W, S, i, A, X, u):
+    return S[2 * i] * (X[2 * u] * float32(_nib_isum(W, i, A, u)) - float32(8.0) * X[2 * u + 1])
+
+
+@device
+def wcomp_q4_1(W, S, i, A, X, u):
+    return S[2 * i] * X[2 * u] * float32(_nib_isum(W, i, A, u)) + S[2 * i + 1] * X[2 * u + 1]
+
+
+@device
+def wcomp_q8_0(W, S, i, A, X, u):
+    s = dot8(
+        W[8 * i], W[8 * i + 1], W[8 * i + 2], W[8 * i + 3], W[8 * i + 4], W[8 * i + 5], W[8 * i + 6], W[8 * i + 7],
+        A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3], A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7],
+    )  # fmt: skip
+    return S[2 * i] * X[2 * u] * float32(s)
+
+
+WORDS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+WLOAD = {"Q4_0": wload_q4_0, "Q4_1": wload_q4_1, "Q8_0": wload_q8_0}
+WCOMP = {"Q4_0": wcomp_q4_0, "Q4_1": wcomp_q4_1, "Q8_0": wcomp_q8_0}

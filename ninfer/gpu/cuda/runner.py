@@ -116,15 +116,24 @@ class CudaRunner:
         return results
 
     def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
-        """Copy the pages' KV to host memory: (k, v) [layers, n, page_size, kv_heads, head_dim]."""
+        """Copy the pages' KV to pinned host memory: (k, v) [layers, n, page_size, kv_heads, head_dim].
+
+        Pinned (page-locked) buffers make both copies direct DMA transfers, and they are what
+        the prefix cache's host tier and paused requests keep.
+        """
         ids = self._page_ids(page_ids)
         n = ids.size
+        shape = (self.k_pool.shape[0], n, *self.k_pool.shape[2:])
+        if n == 0:
+            return PageSnapshot((np.zeros(shape, self.kv_dtype), np.zeros(shape, self.kv_dtype)))
+        d_ids = cuda.to_device(ids, stream=self.stream)
         out = []
         for pool in (self.k_pool, self.v_pool):
-            stage = cuda.device_array((pool.shape[0], max(n, 1), self._page_elems), self.kv_dtype, stream=self.stream)
-            pages.page_gather(self._pool3(pool), cuda.to_device(ids, stream=self.stream), stage, n, self.stream)
-            host = stage.copy_to_host(stream=self.stream)
-            out.append(host[:, :n].reshape(pool.shape[0], n, *pool.shape[2:]))
+            stage = cuda.device_array((pool.shape[0], n, self._page_elems), self.kv_dtype, stream=self.stream)
+            pages.page_gather(self._pool3(pool), d_ids, stage, n, self.stream)
+            host = cuda.pinned_array(stage.shape, self.kv_dtype)
+            stage.copy_to_host(ary=host, stream=self.stream)
+            out.append(host.reshape(shape))
         self.stream.synchronize()
         return PageSnapshot(tuple(out))
 

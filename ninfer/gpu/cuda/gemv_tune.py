@@ -1,0 +1,144 @@
+"""Device time of single kernels at model shapes, replayed from CUDA graphs (GPU only).
+
+    python -m ninfer.gpu.cuda.gemv_tune [--shapes llama3-8b,smollm2-135m] [--json FILE]
+
+For each linear of a decode layer (fused QKV, O, gate+up, down) and the LM head: the q8 GEMV
+with one activation row in several shapes (rows per lane group, unroll, L2 prefetch), each
+timed over a graph of launches that cycle through enough distinct weight copies that no
+launch finds its matrix in L2 (GB/s counts the weight planes only). Then RMSNorm (q8) and
+decode attention at the same model shape. Times are medians of CUDA-event-timed replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+from numba import cuda
+
+from ninfer.gpu.cuda import attention, gemv, norm
+from ninfer.gpu.cuda.device_weights import upload_weight
+from ninfer.gpu.cuda.graphs import GraphCache
+from ninfer.gpu.cuda.quant_layout import pack_tensor, random_stored
+from ninfer.gpu.cuda.random_model import random_spec
+
+VARIANTS = [(1, 4, False), (1, 4, True), (2, 4, False), (2, 4, True), (2, 2, True), (4, 2, True), (1, 8, True)]
+MIN_BYTES = 400 << 20  # weight bytes cycled through per graph (8x the H200's 50 MB L2)
+
+
+def _time_graph(stream, launch, reps: int = 20) -> float:
+    """Median ms of one replay of the graph `launch()` records."""
+    graphs = GraphCache(stream)
+    launch()  # compile
+    stream.synchronize()
+    graphs.capture("g", launch)
+    start, end = cuda.event(), cuda.event()
+    times = []
+    for _ in range(reps + 2):
+        start.record(stream)
+        graphs.replay("g")
+        end.record(stream)
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end))
+    graphs.close()
+    return statistics.median(times[2:])
+
+
+def tune_linear(name, qtype, rows, cols, stream, rng) -> list[dict]:
+    packed = pack_tensor(random_stored(qtype, rows, cols, rng))
+    copies = max(2, min(64, -(-MIN_BYTES // packed.nbytes)))
+    ws = [upload_weight(packed, stream) for _ in range(copies)]
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    from ninfer.gpu.cuda.act_quant import quantize_q8_ref
+
+    xq, xs = quantize_q8_ref(x)
+    d_xq = cuda.to_device(xq.view(np.uint32), stream=stream)
+    d_xs = cuda.to_device(xs, stream=stream)
+    out = cuda.device_array((1, rows), np.float32)
+    rows_out = []
+    for rpg, unroll, pf in VARIANTS:
+        if qtype not in ("Q4_0", "Q4_1", "Q8_0") and rpg > 1 and pf:
+            continue
+
+        def launch():
+            for w in ws:
+                gemv.gemv(w, d_xq, d_xs, out, None, 1, "q8", stream, shape=(rpg, unroll), prefetch=pf)
+
+        ms = _time_graph(stream, launch)
+        us = 1e3 * ms / copies
+        rows_out.append({"linear": name, "qtype": qtype, "rows": rows, "cols": cols, "rows_per_group": rpg,
+                         "unroll": unroll, "prefetch": pf, "us": round(us, 2),
+                         "GB/s": round(packed.nbytes / us / 1e3, 1)})  # fmt: skip
+        print(json.dumps(rows_out[-1]), flush=True)
+    del ws
+    return rows_out
+
+
+def tune_small(spec, stream, rng) -> list[dict]:
+    out = []
+    d = spec.d_model
+    x = cuda.to_device(rng.standard_normal((1, d)).astype(np.float32), stream=stream)
+    w = cuda.to_device(np.ones(d, np.float32), stream=stream)
+    xq = cuda.device_array((1, max(d, spec.d_ffn)), np.int8)
+    xs = cuda.device_array((1, 2 * max(d, spec.d_ffn) // 32), np.float32)
+    rows = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    n = 20
+
+    def norm_launch():
+        for _ in range(n):
+            norm.rmsnorm(x, x, w, 1e-5, rows, xq, xs, 1, "q8", False, False, stream)
+
+    out.append({"kernel": "rmsnorm_q8", "d": d, "us": round(1e3 * _time_graph(stream, norm_launch) / n, 2)})
+    print(json.dumps(out[-1]), flush=True)
+    # decode attention: one row at context 256, fp16 KV, splits of 32
+    ctx, page = 256, 16
+    kv = (ctx // page + 1, page, spec.num_kv_heads, spec.head_dim)
+    kc = cuda.to_device(rng.standard_normal(kv).astype(np.float16), stream=stream)
+    vc = cuda.to_device(rng.standard_normal(kv).astype(np.float16), stream=stream)
+    q = cuda.to_device(rng.standard_normal((1, spec.q_dim)).astype(np.float32), stream=stream)
+    tables = cuda.to_device(np.arange(ctx // page, dtype=np.int32).reshape(1, -1), stream=stream)
+    lens = cuda.to_device(np.array([ctx], np.int32), stream=stream)
+    split = 32
+    o_part = cuda.device_array((1, spec.num_heads, ctx // split, spec.head_dim), np.float32)
+    ml = cuda.device_array((1, spec.num_heads, ctx // split, 2), np.float32)
+    aq = cuda.device_array((1, spec.q_dim), np.int8)
+    axs = cuda.device_array((1, 2 * spec.q_dim // 32), np.float32)
+
+    def attn_launch():
+        for _ in range(n):
+            attention.attn_decode(spec, q, kc, vc, tables, lens, o_part, ml, aq, axs, 1, split, "q8", stream)
+
+    out.append({"kernel": "attn_decode+combine", "context": ctx, "us": round(1e3 * _time_graph(stream, attn_launch) / n, 2)})
+    print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ninfer.gpu.cuda.gemv_tune")
+    p.add_argument("--shapes", default="llama3-8b,smollm2-135m")
+    p.add_argument("--qtype", default="Q4_1")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    stream = cuda.stream()
+    rng = np.random.default_rng(0)
+    results = []
+    for shape in args.shapes.split(","):
+        spec = random_spec(shape)
+        qkv = spec.q_dim + 2 * spec.kv_dim
+        for name, rows, cols, qt in (("qkv", qkv, spec.d_model, args.qtype), ("o", spec.d_model, spec.q_dim, args.qtype),
+                                     ("gate_up", 2 * spec.d_ffn, spec.d_model, args.qtype),
+                                     ("down", spec.d_model, spec.d_ffn, args.qtype),
+                                     ("head", spec.vocab_size, spec.d_model, "Q8_0")):  # fmt: skip
+            results += [dict(r, shape=shape) for r in tune_linear(name, qt, rows, cols, stream, rng)]
+        results += [dict(r, shape=shape) for r in tune_small(spec, stream, rng)]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
