@@ -2,7 +2,7 @@
 # Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated among dmon, ncu, profile, bench, bench8b, tests
+# STAGES: comma-separated among dmon, tune, ncu, profile, bench, bench8b, tests
 #         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
@@ -33,10 +33,14 @@ has() { [[ "$WHAT" == *",$1,"* ]]; }
 if has dmon; then  # SM / memory clocks and power once a second while the rest runs
   nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.txt" 2>&1 &
 fi
+if has tune; then  # single-kernel device times at model shapes (GEMV variants, RMSNorm, attention)
+  timeout ${TUNE_S:-150} python3 -m ninfer.gpu.cuda.gemv_tune --json "$OUT/tune.json" 2>&1 | tail -n 80 > "$OUT/tune.txt"
+fi
 if has ncu; then  # device time of every kernel of one captured decode step
   NCU="ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv"
-  timeout ${NCU_S:-120} $NCU python3 -m ninfer.gpu.cuda.profile ${NINFER_TEST_GGUF:-} --ncu --streams 1,64 > "$OUT/ncu_smollm2.csv" 2>&1
-  [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m ninfer.gpu.cuda.profile --random llama3-8b --ncu --streams 1 > "$OUT/ncu_8b.csv" 2>&1
+  NACT=${ACTS%% *}; NACT=${NACT:-f32}  # the first of ACTS
+  timeout ${NCU_S:-120} $NCU python3 -m ninfer.gpu.cuda.profile ${NINFER_TEST_GGUF:-} --ncu --streams 1,64 --activations $NACT > "$OUT/ncu_smollm2.csv" 2>&1
+  [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m ninfer.gpu.cuda.profile --random llama3-8b --ncu --streams 1 --activations $NACT > "$OUT/ncu_8b.csv" 2>&1
   tail -n 3 "$OUT"/ncu_*.csv
 fi
 if has profile; then

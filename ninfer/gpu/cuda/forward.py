@@ -7,7 +7,9 @@ Per layer (activations `act` = int8 blocks for the dp4a GEMV, or float32):
     rmsnorm(x) -> act ; QKV linear ; bias / q-k norm / RoPE / K-V write ; attention -> act
     x += O linear ; rmsnorm(x) -> act ; gate+up linear ; SwiGLU -> act ; x += down linear
 
-then the final norm of each sampled row's last token, the LM head and the sampler.
+(the decode attention merges its splits in its last block), then the final norm of each sampled row's last token, the LM head and the sampler. One-token
+steps of small q8 models (gemv.FUSE_MAX_BYTES) fold each RMSNorm into the QKV / gate+up GEMV
+and SwiGLU into the down GEMV (gemv.gemv_fused): 7 kernels per layer instead of 10.
 """
 
 from __future__ import annotations
@@ -46,18 +48,33 @@ class Forward:
         self.head_q8 = q8 and model.head.qtype not in gemv.FLOAT_QTYPES
         self.split_len = split_len
         self.sampler_threads = sampler_threads
+        # one-token steps of small q8 models fold RMSNorm and SwiGLU into the GEMVs after them
+        self.fuse = self.q8 and all(
+            gemv.fusable(w) for layer in model.layers for w in (*layer.wqkv, *layer.w_gate_up, layer.w_down)
+        )
+        d = spec.d_model
+        self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
 
     def launch(self, plan: StepPlan, stream) -> None:
         b = self.bufs
         act = "q8" if (self.q8 and plan.act == "q8") else "f32"
         t = plan.num_tokens
         embed.embed(self.model.embed, b.tokens, b.x, t, stream)
+        fuse = self.fuse and act == "q8" and t == 1
         for i, layer in enumerate(self.model.layers):
-            self._norm(layer.attn_norm, t, act, stream)
-            self._linear(layer.wqkv, t, act, b.qkv, None, stream)
+            attn_norm, ffn_norm = self._norms2d[i]
+            if fuse:
+                self._fused(layer.wqkv, b.x, attn_norm, b.qkv, None, "norm", stream)
+            else:
+                self._norm(layer.attn_norm, t, act, stream)
+                self._linear(layer.wqkv, t, act, b.qkv, None, stream)
             self._qkv_post(i, layer, t, stream)
             self._attention(i, plan, act, stream)
             self._linear((layer.wo,), t, act, b.x, b.x, stream)
+            if fuse:
+                self._fused(layer.w_gate_up, b.x, ffn_norm, b.gate_up, None, "norm", stream)
+                self._fused((layer.w_down,), b.gate_up, b.dummy_f32, b.x, b.x, "swiglu", stream)
+                continue
             self._norm(layer.ffn_norm, t, act, stream)
             self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
             out = b.xq8 if act == "q8" else b.h
@@ -87,6 +104,13 @@ class Forward:
             else:
                 gemm.gemm(w, b.h, dst, res, num_m, stream)
 
+    def _fused(self, parts, src, norm_w, out, res, prologue, stream):
+        col = 0
+        for w in parts:
+            dst = out if len(parts) == 1 else out[:, col : col + w.rows]
+            col += w.rows
+            gemv.gemv_fused(w, src, norm_w, self.spec.rms_eps, dst, res, prologue, stream)
+
     def _qkv_post(self, i, layer, t, stream):
         b, spec = self.bufs, self.spec
         dummy = b.dummy_f1
@@ -102,7 +126,7 @@ class Forward:
         if plan.decode:
             out = b.xq8 if act == "q8" else b.h
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
-                                  b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
+                                  b.ml_part, b.attn_count, out, b.xs, plan.num_rows, self.split_len, act, stream,
                                   plan.num_splits or None)  # fmt: skip
             return
         attention.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, plan.num_tiles, stream)

@@ -14,13 +14,15 @@ Epilogue: `out[m, r] = acc (+ res[m, r])`; `res` may be `out` itself (residual a
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
-from numba import cuda, float32, int32, types, uint32
+from numba import cuda, float32, int32, int64, types, uint32
 
 from ninfer.gpu.cuda.act_quant import dequantize_q8_ref
 from ninfer.gpu.cuda.dequant import DQ_WORD
 from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2
+from ninfer.gpu.cuda.swiglu import silu_mul
 from ninfer.gpu.cuda.qdot import QDOT, WDOT, WLOAD, WCOMP, WORDS, act_block
 
 THREADS = 32 if SIMULATOR else 128  # the simulator runs a Python thread per CUDA thread
@@ -183,6 +185,153 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
     return gemv_split
 
 
+# -- one activation row with its producer folded in (small models) ---------------------------
+#
+# A decode step of a small model is latency-bound: every kernel costs a few microseconds of
+# launch-to-launch time however little it reads. `gemv_fused` folds the kernel that produces
+# the GEMV's int8 input into the GEMV itself: each lane builds the activation blocks it needs
+# straight from the float source, so RMSNorm + quantization (prologue "norm": y = x * r * w,
+# r = 1 / sqrt(mean(x^2) + eps), each warp summing the row itself) or SwiGLU + quantization
+# ("swiglu": y = silu(g) * u from the fused gate/up output) costs no launch of its own. Every
+# lane group requantizes the blocks it reads (row x from L1), which pays off only while the
+# matrices are small (FUSE_MAX_BYTES); the arithmetic is that of norm.py / swiglu.py.
+
+FUSE_MAX_BYTES = 4 << 20
+
+
+@device
+def _quantize_block(vals, A, X, u):
+    """32 floats -> activation slot u: eight int8x4 words, dx, dx * sum(q) (act_quant.py)."""
+    amax = float32(0.0)
+    for k in range(32):
+        amax = max(amax, abs(vals[k]))
+    d = amax / float32(127.0)
+    inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
+    qsum = int32(0)
+    for j in range(8):
+        word = int64(0)
+        for t in range(4):
+            q = int32(math.floor(vals[4 * j + t] * inv + float32(0.5)))
+            q = min(max(q, -127), 127)
+            qsum += q
+            word |= int64(q & 0xFF) << int64(8 * t)
+        A[8 * u + j] = uint32(word)
+    X[2 * u] = d
+    X[2 * u + 1] = d * float32(qsum)
+
+
+def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str):
+    wload, wcomp = WLOAD[qtype], WCOMP[qtype]
+    rows_per_warp = (32 // lanes) * R
+    U = unroll
+    nw = WORDS[qtype] * U * R
+    ns = 2 * U * R
+    na = 8 * U
+    nx = 2 * U
+    norm = prologue == "norm"
+
+    def gemv_fused(qs, d16, aux, sc8, src, nwt, out, res, num_rows, num_blocks, eps, has_res):
+        lane = cuda.threadIdx.x % 32
+        warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
+        row0 = warp * rows_per_warp + (lane // lanes) * R
+        sub = lane % lanes
+        cols = 32 * num_blocks
+        r_norm = float32(1.0)
+        if norm:
+            ss = float32(0.0)
+            for c in range(lane, cols, 32):
+                v = src[0, c]
+                ss += v * v
+            ss = group_sum(ss, 32)  # the whole warp, before any branch
+            r_norm = float32(1.0) / math.sqrt(ss / float32(cols) + eps)
+        acc = cuda.local.array(R, float32)
+        W = cuda.local.array(nw, uint32)
+        S = cuda.local.array(ns, float32)
+        A = cuda.local.array(na, uint32)
+        X = cuda.local.array(nx, float32)
+        vals = cuda.local.array(32, float32)
+        for r in range(R):
+            acc[r] = float32(0.0)
+        if row0 < num_rows:
+            last = num_blocks - 1
+            last_row = num_rows - 1
+            for blk0 in range(sub, num_blocks, lanes * U):
+                for u in range(U):
+                    bb = min(blk0 + u * lanes, last)
+                    for r in range(R):
+                        wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
+                for u in range(U):
+                    bb = min(blk0 + u * lanes, last)
+                    for j in range(8):
+                        c = 32 * bb + 4 * j
+                        if norm:
+                            x0, x1, x2, x3 = ld4_f32(src, 0, c)
+                            w0, w1, w2, w3 = ld4_f32(nwt, 0, c)
+                            vals[4 * j] = x0 * r_norm * w0
+                            vals[4 * j + 1] = x1 * r_norm * w1
+                            vals[4 * j + 2] = x2 * r_norm * w2
+                            vals[4 * j + 3] = x3 * r_norm * w3
+                        else:
+                            g0, g1, g2, g3 = ld4_f32(src, 0, c)
+                            u0, u1, u2, u3 = ld4_f32(src, 0, cols + c)
+                            vals[4 * j] = silu_mul(g0, u0)
+                            vals[4 * j + 1] = silu_mul(g1, u1)
+                            vals[4 * j + 2] = silu_mul(g2, u2)
+                            vals[4 * j + 3] = silu_mul(g3, u3)
+                    _quantize_block(vals, A, X, u)
+                for u in range(U):
+                    f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
+                    for r in range(R):
+                        acc[r] += f * wcomp(W, S, u * R + r, A, X, u)
+        for r in range(R):
+            row = row0 + r
+            v = group_sum(acc[r], lanes)  # every thread takes part in the shuffles
+            if sub == 0 and row < num_rows:
+                if has_res:
+                    v += res[0, row]
+                out[0, row] = v
+
+    return gemv_fused
+
+
+@functools.cache
+def gemv_fused_kernel(qtype: str, prologue: str, lanes: int, rows_per_group: int = 2, unroll: int = 2):
+    return cuda.jit(_make_gemv_fused(qtype, lanes, rows_per_group, unroll, prologue))
+
+
+def fusable(w) -> bool:
+    """Whether `gemv_fused` takes this matrix (its types, and small enough to pay off)."""
+    return w.qtype in WLOAD and w.nbytes <= FUSE_MAX_BYTES
+
+
+def gemv_fused(w, src, norm_w, eps, out, res, prologue: str, stream=0, lanes: int | None = None) -> None:
+    """out[0] = q8(prologue(src)) @ w.T (+ res[0]) for one activation row.
+
+    prologue 'norm': src is x [>= 1, cols] and norm_w the RMSNorm weight as [1, cols];
+    'swiglu': src is the gate/up output [>= 1, 2 cols] (norm_w any [1, >= 1] float array)."""
+    lanes = lanes or lanes_for(w.num_blocks)
+    rpg = 2
+    rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
+    grid = (1, (w.rows + rows_per_block - 1) // rows_per_block)
+    kernel = gemv_fused_kernel(w.qtype, prologue, lanes, rpg, 2)
+    has_res = res is not None
+    kernel[grid, THREADS, stream](*w.planes, src, norm_w, out, res if has_res else out, w.rows, w.num_blocks,
+                                  np.float32(eps), has_res)  # fmt: skip
+
+
+def gemv_fused_ref(w_f32, src, norm_w, eps, res, prologue: str):
+    """float64 reference: the separate kernels' references chained (norm.py / swiglu.py, then
+    the q8 GEMV's exact product of the quantized activations)."""
+    from ninfer.gpu.cuda.norm import rmsnorm_ref
+    from ninfer.gpu.cuda.swiglu import swiglu_ref
+
+    if prologue == "norm":
+        _, xq, xs = rmsnorm_ref(src[:1], None, norm_w.reshape(-1), eps, None, "q8")
+    else:
+        xq, xs = swiglu_ref(src[:1], "q8")
+    return gemv_q8_ref(w_f32, xq, xs, res)
+
+
 @functools.cache
 def gemv_kernel(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int = 1, unroll: int = 0,
                 prefetch: bool = False):
@@ -278,4 +427,10 @@ def ptx_cases():
                     cases.append((name, make_gemv(qtype, mode, lanes, 1, rpg, unroll, True), sig))
                 cases.append((f"gemv_q8_{qtype}_l8_m8_pf", make_gemv(qtype, mode, 8, 8, 1, 0, True), sig))
                 cases.append((f"gemv_q8_{qtype}_l32_m1_u8_pf", make_gemv(qtype, mode, 32, 1, 1, 8, True), sig))
+    f2 = types.float32[:, ::1]
+    for qtype in WLOAD:
+        sig = (*plane_types(qtype), f2, f2, f2, f2, int32, int32, types.float32, types.boolean)
+        for prologue in ("norm", "swiglu"):
+            for lanes in (16, 32):
+                cases.append((f"gemv_fused_{prologue}_{qtype}_l{lanes}", _make_gemv_fused(qtype, lanes, 2, 2, prologue), sig))
     return cases

@@ -113,6 +113,27 @@ def check_gemv_q8(scale, rng):
             _gemv_case(q, "q8", lanes, 1, 5 if tiny else 3001, rng, tiny, shape)
 
 
+def check_gemv_fused(scale, rng):
+    """RMSNorm / SwiGLU + int8 quantization folded into the one-row GEMV, against the separate
+    kernels' references chained (an int8 code may differ by one where r's last bit differs)."""
+    tiny = scale == "tiny"
+    for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
+        for prologue in ("norm", "swiglu"):
+            cols = 64 if tiny else (576, 1536)[i % 2]
+            rows = 5 if tiny else 961
+            t = random_stored(q, rows, cols, rng)
+            w = _weight(pack_tensor(t))
+            width = cols if prologue == "norm" else 2 * cols
+            src = (rng.standard_normal((2, width)) * 3).astype(np.float32)
+            nw = (1 + 0.1 * rng.standard_normal((1, cols))).astype(np.float32)
+            res = rng.standard_normal((1, rows)).astype(np.float32)
+            out = _poisoned((1, rows))
+            lanes = (8, 16, 32)[i] if tiny else None
+            gemv.gemv_fused(w, _dev(src), _dev(nw), 1e-5, out, _dev(res), prologue, lanes=lanes)
+            want = gemv.gemv_fused_ref(t.dequantize(), src, nw, 1e-5, res, prologue)
+            _close(out.copy_to_host(), want, 2e-3, f"gemv_fused {prologue} {q}")
+
+
 def check_gemv_f32(scale, rng):
     tiny = scale == "tiny"
     for i, q in enumerate(DEVICE_QTYPES):
@@ -268,8 +289,12 @@ def check_attn_decode(scale, rng):
         ml = _poisoned((len(lengths), spec.num_heads, max_splits, 2))
         out = _poisoned((len(lengths), spec.q_dim), np.float32 if mode == "f32" else np.int8)
         xs = _poisoned((len(lengths), 2 * spec.q_dim // 32))
-        attention.attn_decode(spec, _dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)),
-                              o_part, ml, out, xs, len(lengths), split, mode)  # fmt: skip
+        counts = _dev(np.zeros((len(lengths), spec.num_kv_heads), np.int32))
+        for _ in range(2):  # twice: the kernel must leave its split counters at zero
+            attention.attn_decode(spec, _dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)),
+                                  o_part, ml, counts, out, xs, len(lengths), split, mode)  # fmt: skip
+        if counts.copy_to_host().any():
+            raise AssertionError("attn_decode left split counters set")
         want = np.concatenate([
             attention.attention_ref(q[r : r + 1], *context(r), [n - 1], group, spec.head_dim)
             for r, n in enumerate(lengths)
@@ -494,6 +519,28 @@ def check_runner(scale, rng):
         _close(after.arrays[1][:, :3], snap.arrays[1], 0.0, "restore_pages")
         _close(after.arrays[1][:, 3], snap.arrays[1][:, 0], 0.0, "copy_pages")
         cr.close()
+        if acts == "q8":  # one stream: RMSNorm / SwiGLU folded into the GEMVs (gemv_fused)
+            one = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
+                             split_len=8)  # fmt: skip
+            if not one.forward.fuse:
+                raise AssertionError("the tiny q8 model should take the fused one-row GEMVs")
+            _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
+            one.close()
+
+
+def _compare_one_row(cuda_runner, ref_runner, spec, rng, rtol, steps=3):
+    from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
+
+    table = np.arange(8, dtype=np.int32)
+    ids = rng.integers(0, spec.vocab_size, 5).astype(np.int32)
+    pos = 0
+    for i in range(steps):
+        sample = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=i, want_logits=True)
+        rows = [StepRow(seq_id=0, token_ids=ids, start_pos=pos, page_table=table, sample=sample)]
+        (got,), (want,) = cuda_runner.step(rows), ref_runner.step(rows)
+        _close(got.logits, want.logits, rtol, f"one-row step {i} logits")
+        pos += ids.size
+        ids = np.array([want.token_id], np.int32)
 
 
 CHECKS = {
