@@ -110,8 +110,10 @@ def create_runner(model: LoadedModel, options: RuntimeOptions) -> tuple[Runner, 
             activations=options.activations,
         )  # fmt: skip
     else:
+        from ninfer.gpu.blas import limit_blas_threads
         from ninfer.gpu.reference import ReferenceRunner
 
+        limit_blas_threads()
         runner = ReferenceRunner(model, num_pages=num_pages, page_size=options.page_size)
     return runner, backend, max_context
 

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from ninfer.gpu.blas import available_cores, blas_threads_in_use
+from ninfer.gpu.blas import available_cores, limit_blas_threads, num_blas_threads_in_use
 from ninfer.gpu.reference import ReferenceRunner
 from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
 
@@ -97,11 +97,12 @@ def main() -> None:
     per_seq = -(-(PROMPT_TOKENS + args.decode_steps + 8) // 16)
     num_pages = max(max_seqs * per_seq, -(-args.prefill_tokens // 16))
     start = time.perf_counter()
+    limit_blas_threads()  # as `ninfer` does for the reference backend (ninfer/gpu/blas.py)
     runner = ReferenceRunner(model, num_pages=num_pages, page_size=16)
     load_s = time.perf_counter() - start
     print(f"model {model.name}: stored weights {model.weights.nbytes / 1e6:.1f} MB, "
           f"float32 weights {runner.weight_nbytes / 1e6:.1f} MB (dequantized in {load_s:.1f} s)")  # fmt: skip
-    print(f"{available_cores()} cores, BLAS threads {blas_threads_in_use()} (ninfer/gpu/blas.py; $NINFER_BLAS_THREADS)")
+    print(f"{available_cores()} cores, BLAS threads {num_blas_threads_in_use()} (ninfer/gpu/blas.py; $NINFER_BLAS_THREADS)")
     bandwidth = measure_read_bandwidth()
     floor_s = runner.weight_nbytes / bandwidth
     print(f"host read bandwidth {bandwidth / 1e9:.1f} GB/s -> decode floor {floor_s * 1e3:.1f} ms/step "

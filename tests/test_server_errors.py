@@ -244,7 +244,13 @@ class FailingRunner:
     def step(self, rows):
         if self.fail.is_set():
             raise RuntimeError("simulated device failure")
+        self.num_steps += 1
+        if self.num_steps == self.fail_at_step:
+            self.fail.set()
         return self._inner.step(rows)
+
+    num_steps = 0
+    fail_at_step = 0  # set: the steps after this one fail (0: never on its own)
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +279,55 @@ def test_runner_failure_is_500_then_503_and_unhealthy(failing):
         assert values["ninfer_engine_healthy"] == 0.0
         assert values["ninfer_requests_total{outcome=error}"] >= 1
 
+
+
+# ---- a failure in the middle of a stream, on every streaming API ------------------------------
+
+MODEL = "SmolLM2-135M-Instruct"
+MESSAGES = [{"role": "user", "content": "Count from one to twenty in words."}]
+STREAMS = {
+    "/v1/chat/completions": {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "stream": True, "temperature": 0},
+    "/v1/completions": {"model": MODEL, "prompt": "One, two, three,", "max_tokens": 40, "stream": True, "temperature": 0},
+    "/v1/messages": {"model": MODEL, "messages": MESSAGES, "max_tokens": 40, "stream": True, "temperature": 0},
+    "/v1/responses": {"model": MODEL, "input": "Count from one to twenty in words.", "max_output_tokens": 40,
+                      "stream": True, "temperature": 0},
+}  # fmt: skip
+
+
+def sse_events(lines: list[str]) -> list[tuple[str | None, str]]:
+    """(event name, data) of each SSE event in the lines of a stream."""
+    events, name = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((name, line[len("data: "):]))
+            name = None
+    return events
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_a_runner_failure_mid_stream_ends_the_stream_with_the_apis_error(smollm2, path):
+    from ninfer.gpu.reference import ReferenceRunner
+
+    runner = FailingRunner(ReferenceRunner(smollm2, num_pages=64, page_size=16))
+    runner.fail_at_step = 4  # the prefill and three decode steps succeed, then the device "fails"
+    try:
+        with running_server(small_settings(), smollm2, runner=runner) as server, server.http() as http:
+            with http.stream("POST", path, json=STREAMS[path], headers={"anthropic-version": "2023-06-01"}) as reply:
+                assert reply.status_code == 200
+                events = sse_events(list(reply.iter_lines()))
+            assert http.get("/health").status_code == 503
+    finally:
+        runner.close()
+    payloads = [(name, data) for name, data in events if data != "[DONE]"]
+    assert len(payloads) >= 3  # some of the answer arrived before the failure
+    last_name, last_data = payloads[-1]
+    last = json.loads(last_data)
+    if path == "/v1/messages":
+        assert last_name == "error" and last["type"] == "error" and last["error"]["type"] == "api_error"
+    elif path == "/v1/responses":
+        assert last["type"] == "response.failed" and last["response"]["status"] == "failed"
+        assert "simulated device failure" in last["response"]["error"]["message"]
+    else:
+        assert last["error"]["type"] == "server_error" and events[-1][1] == "[DONE]"

@@ -13,7 +13,8 @@ from ninfer.cli.main import build_parser
 from ninfer.cli.serve import settings_from_args
 from ninfer.server.settings import SettingsError
 
-# Distinct ~110-token prompts: each takes 7-8 of the 16-token pages of a 24-page pool.
+# Distinct prompts of ~142 tokens with the chat template: with 6 answer tokens each request
+# takes 9-10 of the 16-token pages, so three of them overflow a 24-page pool.
 TOPICS = ["rivers", "mountains", "deserts", "forests", "glaciers"]
 
 
@@ -39,15 +40,16 @@ def test_serve_flags_reach_the_engine_config():
     assert on.engine_fields()["prefix_cache"] is True and on.engine_fields()["host_cache_bytes"] == 1024 << 20
     off = settings_from_args(parser.parse_args(["serve", "--no-prefix-reuse", "--host-cache-mib", "0.5"]))
     assert off.engine_fields()["prefix_cache"] is False and off.engine_fields()["host_cache_bytes"] == 1 << 19
-    with pytest.raises(SettingsError, match="--host-cache-mib"):
-        small_settings(host_cache_mib=-1)
 
 
-def test_cli_rejects_a_negative_host_cache(capsys):
+@pytest.mark.parametrize("flags", [["--host-cache-mib", "-3"], ["--host-cache-mib", "inf"], ["--max-request-mib", "nan"]])
+def test_cli_rejects_negative_or_infinite_sizes(capsys, flags):
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["serve", "--host-cache-mib", "-3"])
+        build_parser().parse_args(["serve", *flags])
     assert exit_info.value.code == 2
-    assert "--host-cache-mib" in capsys.readouterr().err
+    assert flags[0] in capsys.readouterr().err
+    with pytest.raises(SettingsError, match=flags[0]):
+        small_settings(**{flags[0][2:].replace("-", "_"): float(flags[1])})
 
 
 def test_no_prefix_reuse_serves_every_prompt_cold(smollm2):
@@ -97,35 +99,55 @@ def test_pressure_demotes_restores_and_evicts_with_exact_output(smollm2):
     assert final["ninfer_cached_prompt_tokens_total"] >= warm_usage.prompt_tokens_details.cached_tokens
 
 
-def test_read_only_requests_and_salts_through_every_api(smollm2):
-    with running_server(small_settings(), smollm2) as server:
-        client = server.openai()
-        model_id = client.models.list().data[0].id
+def cached_tokens(server, api: str, text: str, **extra) -> int:
+    """Prompt tokens served from the cache for one 2-token request through `api`."""
+    client, model_id = server.openai(), "SmolLM2-135M-Instruct"
+    if api == "chat":
+        reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": text}],
+                                               max_tokens=2, temperature=0, extra_body=extra)  # fmt: skip
+        return reply.usage.prompt_tokens_details.cached_tokens
+    if api == "completions":
+        reply = client.completions.create(model=model_id, prompt=text, max_tokens=2, temperature=0, extra_body=extra)
+        return reply.usage.prompt_tokens_details.cached_tokens
+    if api == "messages":
+        reply = server.anthropic().messages.create(model=model_id, messages=[{"role": "user", "content": text}],
+                                                   max_tokens=2, extra_body={"temperature": 0.0, **extra})  # fmt: skip
+        return reply.usage.cache_read_input_tokens or 0
+    reply = client.responses.create(model=model_id, input=text, max_output_tokens=2, extra_body=extra)
+    return reply.usage.input_tokens_details.cached_tokens
 
-        def cached(text: str, **extra) -> int:
-            reply = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": text}],
-                                                   max_tokens=2, temperature=0, extra_body=extra)  # fmt: skip
-            return reply.usage.prompt_tokens_details.cached_tokens
 
-        # A read-only request publishes nothing: the same prompt afterwards finds no cache ...
-        assert cached(prompt("rivers"), cache_read_only=True) == 0
-        assert cached(prompt("rivers")) == 0
-        # ... but it reads what others published.
-        assert cached(prompt("rivers"), cache_read_only=True) > 0
-        # A salt is a tenant of its own, on every API.
-        assert cached(prompt("rivers"), cache_salt="tenant-a") == 0
-        anthropic = server.anthropic()
-        message = [{"role": "user", "content": prompt("rivers")}]
-        first = anthropic.messages.create(model=model_id, messages=message, max_tokens=2,
-                                          extra_body={"temperature": 0.0, "cache_salt": "tenant-a"})  # fmt: skip
-        assert first.usage.cache_read_input_tokens > 0  # tenant-a's entry from the chat call above
-        other = anthropic.messages.create(model=model_id, messages=message, max_tokens=2,
-                                          extra_body={"cache_salt": "tenant-b", "cache_read_only": True})  # fmt: skip
-        assert (other.usage.cache_read_input_tokens or 0) == 0
-        response = client.responses.create(model=model_id, input=prompt("rivers"), max_output_tokens=2,
-                                           extra_body={"cache_salt": "tenant-b"})  # fmt: skip
-        assert response.usage.input_tokens_details.cached_tokens == 0  # tenant-b's read published nothing
-        with server.http() as http:
-            bad = http.post("/v1/chat/completions", json={"model": model_id, "messages": message,
-                                                          "cache_read_only": "sometimes"})  # fmt: skip
-        assert bad.status_code == 400 and "cache_read_only" in bad.json()["error"]["message"]
+@pytest.fixture(scope="module")
+def server(smollm2):
+    with running_server(small_settings(), smollm2) as s:
+        yield s
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "messages", "responses"])
+def test_read_only_requests_and_salts_through_every_api(server, api):
+    text, salt = prompt("rivers"), f"tenant-{api}"  # a tenant per API: the tests share one server
+    # A read-only request publishes nothing: the same prompt afterwards finds nothing ...
+    assert cached_tokens(server, api, text, cache_salt=salt, cache_read_only=True) == 0
+    assert cached_tokens(server, api, text, cache_salt=salt) == 0
+    # ... but it reads what others published.
+    assert cached_tokens(server, api, text, cache_salt=salt, cache_read_only=True) > 0
+    # Another salt is another tenant; null means "not read-only".
+    assert cached_tokens(server, api, text, cache_salt=salt + "-other", cache_read_only=None) == 0
+    assert cached_tokens(server, api, text, cache_salt=salt + "-other") > 0
+
+
+def test_chat_and_messages_share_a_tenants_entries(server):
+    # The same conversation renders to the same prompt through both APIs.
+    text = prompt("deserts")
+    assert cached_tokens(server, "chat", text, cache_salt="shared") == 0
+    assert cached_tokens(server, "messages", text, cache_salt="shared") > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+def test_a_non_boolean_cache_read_only_is_a_400(server, path):
+    body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "cache_read_only": "sometimes"}
+    body |= {"input": "hi"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "hi"}]}
+    with server.http() as http:
+        bad = http.post(path, json=body, headers={"anthropic-version": "2023-06-01"})
+    assert bad.status_code == 400
+    assert "cache_read_only" in bad.text

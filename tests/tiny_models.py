@@ -2,7 +2,8 @@
 
 `tiny_llama` builds `(spec, weights)` for the reference runner directly; `build_tiny_dir`
 saves a seeded `transformers` model (llama / qwen2 / qwen3) with a word-level tokenizer, for
-the loader and the transformers oracle (it needs torch and transformers installed).
+the loader and the transformers oracle (it needs torch and transformers installed);
+`write_tiny_gguf` writes a tiny GGUF file from `tiny_gguf_tensors` (byte-level vocabulary).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
+from tokenizers import pre_tokenizers
 
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights, StoredTensor
@@ -92,3 +95,53 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     tokenizer.save(str(path / "tokenizer.json"))
     config = {"bos_token": "<s>", "eos_token": {"content": "<|im_end|>"}, "chat_template": TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# ---- GGUF files ---------------------------------------------------------------------------
+
+BYTE_TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def tiny_gguf_tensors(arch, rng, *, d=16, heads=4, kv_heads=2, head_dim=4, ffn=24, layers=2):
+    """Canonical tensors of a tiny model, keyed by GGUF name."""
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    out = {"token_embd.weight": f(len(BYTE_TOKENS), d), "output_norm.weight": f(d)}
+    for i in range(layers):
+        b = f"blk.{i}."
+        out |= {b + "attn_norm.weight": f(d), b + "ffn_norm.weight": f(d)}
+        out |= {b + "attn_q.weight": f(heads * head_dim, d), b + "attn_k.weight": f(kv_heads * head_dim, d)}
+        out |= {b + "attn_v.weight": f(kv_heads * head_dim, d), b + "attn_output.weight": f(d, heads * head_dim)}
+        out |= {b + "ffn_gate.weight": f(ffn, d), b + "ffn_up.weight": f(ffn, d), b + "ffn_down.weight": f(d, ffn)}
+        if arch == "qwen2":
+            out |= {b + "attn_q.bias": f(heads * head_dim), b + "attn_k.bias": f(kv_heads * head_dim)}
+            out |= {b + "attn_v.bias": f(kv_heads * head_dim)}
+        if arch == "qwen3":
+            out |= {b + "attn_q_norm.weight": f(head_dim), b + "attn_k_norm.weight": f(head_dim)}
+    return out
+
+
+def write_tiny_gguf(path, arch="llama", *, tensors=None, metadata=(), tokenizer_model="gpt2", head_dim=4):
+    """A complete tiny model file; `tensors` are written as given (GGUF names)."""
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in {
+        "block_count": 2, "context_length": 64, "embedding_length": 16, "feed_forward_length": 24,
+        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": head_dim,
+        "attention.value_length": head_dim, "rope.dimension_count": head_dim,
+    }.items():  # fmt: skip
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", 1e6)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(BYTE_TOKENS)
+    writer.add_token_types([1] * len(BYTE_TOKENS))
+    writer.add_eos_token_id(0)
+    for key, value in dict(metadata).items():
+        writer.add_key_value(f"{arch}.{key}" if not key.startswith("general.") else key, *value)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

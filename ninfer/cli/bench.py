@@ -112,8 +112,10 @@ def _runner(model, args):
                             max_context=max_context, activations=args.activations, use_graphs=not args.no_graphs,
                             progress=True)  # fmt: skip
     else:
+        from ninfer.gpu.blas import limit_blas_threads
         from ninfer.gpu.reference import ReferenceRunner
 
+        limit_blas_threads()
         runner = ReferenceRunner(model, num_pages=num_pages, page_size=args.page_size)
     return runner, backend
 

@@ -32,7 +32,6 @@ import attrs
 import numpy as np
 
 from ninfer.gpu import sampling
-from ninfer.gpu.blas import limit_blas_threads
 from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights
@@ -80,7 +79,6 @@ class ReferenceRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = np.dtype(dtype)
-        self.blas_threads = limit_blas_threads()
         self._embed = weights["embed"].dequantize().astype(self.dtype, copy=False)
         # Tied heads reuse the embedding ([vocab, d]); BLAS reads it transposed without a copy.
         self._head = self._embed if spec.tie_embeddings else self._float(weights["lm_head"])

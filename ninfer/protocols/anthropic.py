@@ -175,7 +175,7 @@ class MessagesRequest:
     seed: int | None = None
     # ninfer extensions: prefix-cache tenant isolation and read-only participation
     cache_salt: str | None = None
-    cache_read_only: bool = False
+    cache_read_only: bool | None = None
     # Accepted and ignored: one tier, one place, one speed here.
     service_tier: str | None = None
     inference_geo: str | None = None
@@ -226,7 +226,7 @@ def to_chat_call(request: MessagesRequest | CountTokensRequest, *, request_id: s
         sampling = SamplingOptions(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
         fields = {"max_tokens": request.max_tokens, "sampling": sampling, "seed": request.seed,
                   "stop": tuple(request.stop_sequences), "cache_salt": request.cache_salt,
-                  "cache_read_only": request.cache_read_only}  # fmt: skip
+                  "cache_read_only": bool(request.cache_read_only)}  # fmt: skip
     return ChatCall(
         messages=tuple(to_chat_messages(request)),
         tools=tuple(to_tools(request.tools)),

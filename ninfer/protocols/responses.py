@@ -171,7 +171,7 @@ class ResponsesRequest:
     seed: int | None = None
     # ninfer extensions: prefix-cache tenant isolation and read-only participation
     cache_salt: str | None = None
-    cache_read_only: bool = False
+    cache_read_only: bool | None = None
 
 
 converter = make_converter()
@@ -229,7 +229,7 @@ def to_chat_call(
         logprobs=wants_logprobs(request),
         top_logprobs=request.top_logprobs or 0,
         cache_salt=request.cache_salt,
-        cache_read_only=request.cache_read_only,
+        cache_read_only=bool(request.cache_read_only),
         request_id=request_id,
     )
 

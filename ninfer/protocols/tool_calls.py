@@ -92,6 +92,7 @@ class ToolCallParser:
         self._buffer = ""
         self._in_call = False
         self._held_space = ""
+        self._after_call = False
         return pieces
 
     def _step(self, pieces: list[Piece]) -> bool:

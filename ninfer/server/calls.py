@@ -66,7 +66,8 @@ class ResponseFormat:
 
 @attrs.frozen(kw_only=True)
 class GenerationOptions:
-    """What every call sets besides its prompt: length, sampling, stops, logprobs, cache salt."""
+    """What every call sets besides its prompt: length, sampling, stops, logprobs, prefix-cache
+    participation (`cache_salt`, `cache_read_only`) and the id that names it in logs."""
 
     max_tokens: int | None = None  # None: the server default, else up to the context limit
     sampling: SamplingOptions = SamplingOptions()

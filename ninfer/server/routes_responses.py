@@ -25,7 +25,7 @@ from ninfer.protocols.responses_events import (
 from ninfer.protocols.responses_events import Response as WireResponse
 from ninfer.protocols.sse import sse_comment, sse_event
 from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import json_response, open_sse, read_json, request_id_of
+from ninfer.server.http_io import json_response, open_sse, raise_if_failed, read_json, request_id_of
 from ninfer.server.responses_store import ResponsesStore, StoredResponse
 
 log = logging.getLogger(__name__)
@@ -162,10 +162,9 @@ class _Turn:
     def _finish(self, event: CallFinished, is_streaming: bool) -> list[dict]:
         totals = usage(event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens)
         if event.reason in ("error", "cancelled"):
-            message = event.error or "the answer was cancelled: the server is shutting down"
             if not is_streaming:
-                kind = ErrorKind.INTERNAL if event.reason == "error" else ErrorKind.UNAVAILABLE
-                raise ApiError(kind, f"The model failed while answering: {message}")
+                raise_if_failed(event)
+            message = event.error or "the answer was cancelled: the server is shutting down"
             return self.assembler.fail(message, usage=totals)
         events = self.assembler.finish(reason=event.reason, usage=totals)
         self._store()

@@ -6,6 +6,7 @@ server never starts half-configured.
 
 from __future__ import annotations
 
+import math
 import re
 
 import attrs
@@ -70,8 +71,11 @@ class ServerSettings:
         _check(self.max_context is None or self.max_context >= 2, f"--max-context must be at least 2, got {self.max_context}")
         self._check_limits()
         self._check_keys()
-        _check(self.host_cache_mib >= 0, f"--host-cache-mib must be at least 0, got {self.host_cache_mib}")
-        _check(self.max_request_mib > 0, f"--max-request-mib must be positive, got {self.max_request_mib}")
+        _check(isinstance(self.prefix_reuse, bool), f"prefix_reuse must be true or false, got {self.prefix_reuse!r}")
+        _check(math.isfinite(self.host_cache_mib) and self.host_cache_mib >= 0,
+               f"--host-cache-mib must be a finite number >= 0, got {self.host_cache_mib}")  # fmt: skip
+        _check(math.isfinite(self.max_request_mib) and self.max_request_mib > 0,
+               f"--max-request-mib must be a finite positive number, got {self.max_request_mib}")  # fmt: skip
         _check(self.log_level in LOG_LEVELS, f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for origin in self.cors_origins:
             _check(bool(_ORIGIN.match(origin)), f"--cors takes '*' or an origin like https://example.com, got {origin!r}")
