@@ -57,7 +57,8 @@ def test_every_kernel_compiles_and_assembles(reports, cc):
     assert all(v["sass_bytes"] > 0 for v in report.values())
     missing = expected_kernels() - set(report)
     assert not missing, f"kernels missing from the PTX report: {sorted(missing)}"
-    families = {"attn_decode", "attn_prefill", "qkv_post", "page_copy", "page_gather", "page_scatter", "gemv_fused"}
+    families = {"attn_decode", "attn_prefill", "attn_combine", "qkv_post", "page_copy", "page_gather", "page_scatter",
+                "gemv_fused"}
     assert all(any(k.startswith(f) for k in report) for f in families)
 
 

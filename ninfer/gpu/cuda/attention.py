@@ -4,8 +4,7 @@ Decode (one new token per row): grid (row, kv head, split); a split covers `spli
 positions, so long contexts spread over many blocks (flash-decoding). Each of the 4 warps
 walks every 4th position of its split with lanes over head_dim, scoring all `group` query
 heads that share the KV head and keeping an online softmax (max m, sum l, weighted values).
-The last split block of a (row, kv head) to finish (an atomic count per pair) merges every split
-of its query heads and writes float32 or int8 (the o-proj input): one launch, no combine kernel.
+`attn_combine` merges the splits per (row, head) and writes float32 or int8 (the o-proj input).
 
 Prefill (rows of many tokens, or any mixed batch): grid (query tile, head); a tile is up to 16
 consecutive tokens of one row; keys stream through shared memory 32 positions at a time, from
@@ -21,16 +20,16 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
-from ninfer.gpu.cuda.intrinsics import group_max, group_sum, threadfence, warp_sum
+from ninfer.gpu.cuda.intrinsics import group_max, group_sum, warp_sum
 
 DECODE_THREADS = 128
 NEG_BIG = -1.0e30  # running-max seed: exp(NEG_BIG - finite) == 0 without inf - inf
 
 
-def make_attn_decode(head_dim: int, group: int, split_len: int, mode: str = "f32", threads: int = DECODE_THREADS):
+def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = DECODE_THREADS):
     epl = head_dim // 32
     nw = threads // 32
     ge = group * epl  # register array sizes must be compile-time constants
@@ -38,7 +37,7 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, mode: str = "f32
     num_chunks = -(-split_len // (nw * ch))
     che = ch * epl
 
-    def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, counts, out, xs, scale):
+    def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         sp = cuda.blockIdx.z
@@ -126,60 +125,60 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, mode: str = "f32
             if e == 0:
                 ml_part[b, h, sp, 0] = mx
                 ml_part[b, h, sp, 1] = tot
-        # the last split block of (row, kv head) to finish merges every split: no second launch
-        ns = (n + split_len - 1) // split_len
-        threadfence()  # this block's parts are visible device-wide before it is counted
-        cuda.syncthreads()
-        last = cuda.shared.array(1, int32)
-        if cuda.threadIdx.x == 0:
-            last[0] = int32(cuda.atomic.add(counts, (b, kvh), 1) == ns - 1)
-        cuda.syncthreads()
-        if last[0] == 0:
-            return
-        threadfence()
-        for idx in range(cuda.threadIdx.x, group * head_dim, threads):  # whole warps per pass
-            g = idx // head_dim
-            e = idx % head_dim
-            h = kvh * group + g
-            mx = ml_part[b, h, 0, 0]
-            for s in range(1, ns):
-                mx = max(mx, ml_part[b, h, s, 0])
-            tot = float32(0.0)
-            val = float32(0.0)
-            for s in range(ns):
-                f = math.exp(ml_part[b, h, s, 0] - mx)
-                tot += ml_part[b, h, s, 1] * f
-                val += o_part[b, h, s, e] * f
-            v = val / tot
-            col = h * head_dim + e
-            if mode == "f32":
-                out[b, col] = v
-            else:
-                store_q8(v, True, out, xs, b, col // 32, e % 32)
-        if cuda.threadIdx.x == 0:
-            counts[b, kvh] = 0  # ready for the next layer's launch
 
     return attn_decode
 
 
+def make_attn_combine(head_dim: int, split_len: int, mode: str):
+    def attn_combine(o_part, ml_part, seq_lens, out, xs):
+        b = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        e = cuda.threadIdx.x
+        ns = (seq_lens[b] + split_len - 1) // split_len
+        mx = ml_part[b, h, 0, 0]
+        for s in range(1, ns):
+            mx = max(mx, ml_part[b, h, s, 0])
+        tot = float32(0.0)
+        val = float32(0.0)
+        for s in range(ns):
+            f = math.exp(ml_part[b, h, s, 0] - mx)
+            tot += ml_part[b, h, s, 1] * f
+            val += o_part[b, h, s, e] * f
+        v = val / tot
+        col = h * head_dim + e
+        if mode == "f32":
+            out[b, col] = v
+        else:
+            store_q8(v, True, out, xs, b, col // 32, e % 32)
+
+    return attn_combine
+
+
 @functools.cache
-def attn_decode_kernel(head_dim, group, split_len, mode):
-    return cuda.jit(make_attn_decode(head_dim, group, split_len, mode))
+def attn_decode_kernel(head_dim, group, split_len):
+    return cuda.jit(make_attn_decode(head_dim, group, split_len))
 
 
-def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, counts, out, xs, num_rows, split_len,
-                mode, stream=0, num_splits: int | None = None) -> None:  # fmt: skip
-    """One launch; o_part / ml_part are [B, H, max_splits, hd | 2] scratch, counts an int32
-    [>= B, kv_heads] array of zeros (the kernel leaves it zeroed again).
+@functools.cache
+def attn_combine_kernel(head_dim, split_len, mode):
+    return cuda.jit(make_attn_combine(head_dim, split_len, mode))
+
+
+def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, split_len, mode,
+                stream=0, num_splits: int | None = None) -> None:  # fmt: skip
+    """Both decode launches; o_part / ml_part are [B, H, max_splits, hd | 2] scratch.
 
     `num_splits` (default all) blocks per (row, kv head) are launched: it must cover the
     longest row, ceil(max(seq_lens) / split_len); fewer empty blocks for short contexts.
     """
     max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-    attn_decode_kernel(spec.head_dim, spec.group_size, split_len, mode)[
+    attn_decode_kernel(spec.head_dim, spec.group_size, split_len)[
         (num_rows, spec.num_kv_heads, max_splits), DECODE_THREADS, stream
-    ](q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, counts, out, xs, scale)
+    ](q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale)
+    attn_combine_kernel(spec.head_dim, split_len, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](
+        o_part, ml_part, seq_lens, out, xs
+    )
 
 
 # -- prefill -----------------------------------------------------------------------------------
@@ -326,10 +325,12 @@ def ptx_cases():
     for kv_t in (types.float16, types.float32):
         cache = types.Array(kv_t, 4, "C")
         for hd, group in ((64, 3), (128, 2), (128, 4)):
-            for mode, o_t in (("f32", f2), ("q8", types.int8[:, ::1])):
-                sig = (f2, cache, cache, i2, i1, f4, f4, i2, o_t, f2, types.float32)
-                cases.append((f"attn_decode_hd{hd}_g{group}_{kv_t}_{mode}", make_attn_decode(hd, group, 32, mode), sig))
+            sig = (f2, cache, cache, i2, i1, f4, f4, types.float32)
+            cases.append((f"attn_decode_hd{hd}_g{group}_{kv_t}", make_attn_decode(hd, group, 256), sig))
             psig = (f2, cache, cache, i2, i1, i1, i1, i1, i1, f2, types.float32, types.int32)
             if group != 4:
                 cases.append((f"attn_prefill_hd{hd}_{kv_t}", make_attn_prefill(hd), psig))
+    for hd in (64, 128):
+        cases.append((f"attn_combine_f32_hd{hd}", make_attn_combine(hd, 256, "f32"), (f4, f4, i1, f2, f2)))
+        cases.append((f"attn_combine_q8_hd{hd}", make_attn_combine(hd, 256, "q8"), (f4, f4, i1, types.int8[:, ::1], f2)))
     return cases

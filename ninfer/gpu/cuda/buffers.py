@@ -58,7 +58,6 @@ class StepBuffers:
         self.gate_up = _dev((t, 2 * spec.d_ffn), np.float32)
         self.o_part = _dev((r, spec.num_heads, limits.max_splits, spec.head_dim), np.float32)
         self.ml_part = _dev((r, spec.num_heads, limits.max_splits, 2), np.float32)
-        self.attn_count = cuda.to_device(np.zeros((r, spec.num_kv_heads), np.int32))  # zero between launches
         self.logits = _dev((r, spec.vocab_size), np.float32)
         self.scores = _dev((r, spec.vocab_size), np.float32)
         # inputs: per token, per row, page tables, sampling

@@ -7,9 +7,10 @@ Per layer (activations `act` = int8 blocks for the dp4a GEMV, or float32):
     rmsnorm(x) -> act ; QKV linear ; bias / q-k norm / RoPE / K-V write ; attention -> act
     x += O linear ; rmsnorm(x) -> act ; gate+up linear ; SwiGLU -> act ; x += down linear
 
-(the decode attention merges its splits in its last block), then the final norm of each sampled row's last token, the LM head and the sampler. One-token
-steps of small q8 models (gemv.FUSE_MAX_BYTES) fold each RMSNorm into the QKV / gate+up GEMV
-and SwiGLU into the down GEMV (gemv.gemv_fused): 7 kernels per layer instead of 10.
+then the final norm of each sampled row's last token, the LM head and the sampler. With
+FUSE_SMALL, one-token steps of small q8 models (gemv.FUSE_MAX_BYTES) fold each RMSNorm into the
+QKV / gate+up GEMV and SwiGLU into the down GEMV (gemv.gemv_fused): 7 kernels per layer instead
+of 10, but each lane then requantizes its blocks in a long serial chain; off by default.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class StepPlan:
         return "q8" if self.num_tokens <= gemv.MAX_M else "f32"
 
 
+FUSE_SMALL = False  # gemv_fused for one-token steps; its one run (with another change) was slower, 1.61 vs 1.21 ms
+
+
 class Forward:
     """Owns references to the device model, buffers, KV pool and RoPE tables."""
 
@@ -48,10 +52,12 @@ class Forward:
         self.head_q8 = q8 and model.head.qtype not in gemv.FLOAT_QTYPES
         self.split_len = split_len
         self.sampler_threads = sampler_threads
-        # one-token steps of small q8 models fold RMSNorm and SwiGLU into the GEMVs after them
-        self.fuse = self.q8 and all(
+        # one-token steps of small q8 models may fold RMSNorm and SwiGLU into the GEMVs after
+        # them; off unless FUSE_SMALL (measured slower on the H200, docs/performance.md)
+        self.can_fuse = self.q8 and all(
             gemv.fusable(w) for layer in model.layers for w in (*layer.wqkv, *layer.w_gate_up, layer.w_down)
         )
+        self.fuse = self.can_fuse and FUSE_SMALL
         d = spec.d_model
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
 
@@ -126,7 +132,7 @@ class Forward:
         if plan.decode:
             out = b.xq8 if act == "q8" else b.h
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
-                                  b.ml_part, b.attn_count, out, b.xs, plan.num_rows, self.split_len, act, stream,
+                                  b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
                                   plan.num_splits or None)  # fmt: skip
             return
         attention.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, plan.num_tiles, stream)

@@ -301,19 +301,6 @@ else:
         return uint64(sum(int(x) for x in vals if x is not None))
 
 
-if SIMULATOR:
-
-    def threadfence():
-        """No-op twin: simulated threads share one coherent memory."""
-
-else:
-
-    @cuda.jit(device=True, inline=True)
-    def threadfence():
-        """membar.gl: this thread's writes are visible device-wide before its later ones."""
-        cuda.threadfence()
-
-
 @device
 def warp_sum(v):
     return group_sum(v, 32)
