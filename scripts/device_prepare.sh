@@ -11,7 +11,7 @@ mkdir -p .whl .stage
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d .whl \
-  numpy==2.4.6 gguf==0.19.0 trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 pytest-trio==0.8.0
+  numpy==2.4.6 gguf==0.19.0 trio==0.35.0 outcome==1.3.0.post0 sniffio==1.3.1 pytest-trio==0.8.0 threadpoolctl==3.8.0
 GGUF=${NINFER_TEST_GGUF:-$("$PY" -c 'from ninfer.models.registry import ensure_model; print(ensure_model("smollm2-135m-instruct"))')}
 # uneven parts: the first travels with the wheels (17 MB), the second alone
 head -c 40000000 "$GGUF" > .stage/smollm2.part00
