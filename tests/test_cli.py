@@ -142,3 +142,76 @@ def test_messages_file_must_be_a_list(tmp_path):
     bad = tmp_path / "m.json"
     bad.write_text('{"role": "user"}')
     assert_one_line_error(ninfer("generate", "--messages", str(bad)), "m.json")
+
+
+# ---- --activations on generate, chat and serve --------------------------------------------
+
+ACTIVATION_COMMANDS = {"generate": ["-p", "hi"], "chat": [], "serve": []}
+
+
+@pytest.mark.parametrize("command", ACTIVATION_COMMANDS)
+def test_bad_activations_value_is_one_line_exit_2(command):
+    result = ninfer(command, *ACTIVATION_COMMANDS[command], "--activations", "q4")
+    assert result.returncode == 2
+    assert_one_line_error(result, f"ninfer {command}: error:", "--activations", "'q4'", "'f32'", "'q8'")
+
+
+@pytest.mark.parametrize("command", ACTIVATION_COMMANDS)
+def test_activations_help_explains_the_choice(command):
+    result = ninfer(command, "--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "--activations {f32,q8}" in text
+    assert "exact" in text and "faster decode on CUDA" in text and "reference backend" in text and "ignores it" in text
+
+
+@pytest.mark.parametrize("command", ACTIVATION_COMMANDS)
+@pytest.mark.parametrize("flags, expected", [([], "f32"), (["--activations", "q8"], "q8"), (["--activations", "f32"], "f32")])
+def test_activations_flag_reaches_the_runtime_options(command, flags, expected):
+    from ninfer.cli.common import runtime_options
+    from ninfer.cli.main import build_parser
+    from ninfer.cli.serve import settings_from_args
+
+    args = build_parser().parse_args([command, *ACTIVATION_COMMANDS[command], *flags])
+    assert args.activations == expected
+    if command == "serve":
+        settings = settings_from_args(args)
+        assert settings.activations == expected
+        options = settings.runtime_options()
+    else:
+        options = runtime_options(args)
+    assert options.activations == expected
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_hand_activations_to_create_runner(command, smollm2, monkeypatch):
+    # Run the command in-process up to the runner: create_runner records what it was given.
+    import io
+
+    import ninfer.runtime
+    from ninfer.cli.main import build_parser
+    from ninfer.runtime import ConfigError
+
+    seen = []
+
+    def fake_create_runner(model, options):
+        seen.append(options)
+        raise ConfigError("stopped before building a runner")
+
+    monkeypatch.setattr(ninfer.runtime, "load", lambda *args, **kwargs: smollm2)
+    monkeypatch.setattr(ninfer.runtime, "create_runner", fake_create_runner)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # chat reads turns from a (non-tty) stdin
+    args = build_parser().parse_args([command, *ACTIVATION_COMMANDS[command], "--backend", "reference",
+                                      "--activations", "q8"])  # fmt: skip
+    with pytest.raises(ConfigError, match="stopped before building a runner"):
+        args.run(args)
+    assert [(o.backend, o.activations) for o in seen] == [("reference", "q8")]
+
+
+def test_reference_backend_accepts_q8_activations(smollm2_path):
+    result = ninfer("generate", str(smollm2_path), "-p", "Count: one, two,", "--raw", "--backend", "reference",
+                    "--activations", "q8", "--temperature", "0", "--max-tokens", "3", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["backend"] == "reference"
+    assert 1 <= out["usage"]["completion_tokens"] <= 3

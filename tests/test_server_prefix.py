@@ -42,6 +42,36 @@ def test_serve_flags_reach_the_engine_config():
     assert off.engine_fields()["prefix_cache"] is False and off.engine_fields()["host_cache_bytes"] == 1 << 19
 
 
+@pytest.mark.parametrize("flags, expected", [([], "f32"), (["--activations", "q8"], "q8")])
+def test_serve_activations_flag_reaches_create_runner(monkeypatch, flags, expected):
+    import functools
+
+    import trio
+
+    import ninfer.runtime
+    from ninfer.runtime import ConfigError
+    from ninfer.server.serve import serve
+
+    settings = settings_from_args(build_parser().parse_args(["serve", "--backend", "reference", *flags]))
+    assert settings.activations == expected
+    seen = []
+
+    def fake_create_runner(model, options):
+        seen.append((model, options))
+        raise ConfigError("stopped before building a runner")
+
+    monkeypatch.setattr(ninfer.runtime, "create_runner", fake_create_runner)
+    model = object()  # never looked at: create_runner is the first thing serve() hands it to
+    with pytest.raises(ConfigError, match="stopped before building a runner"):
+        trio.run(functools.partial(serve, settings, model=model, handle_signals=False))
+    assert [(m, o.backend, o.activations) for m, o in seen] == [(model, "reference", expected)]
+
+
+def test_settings_reject_unknown_activations():
+    with pytest.raises(SettingsError, match="--activations must be one of f32, q8, got 'q4'"):
+        small_settings(activations="q4")
+
+
 @pytest.mark.parametrize("flags", [["--host-cache-mib", "-3"], ["--host-cache-mib", "inf"], ["--max-request-mib", "nan"]])
 def test_cli_rejects_negative_or_infinite_sizes(capsys, flags):
     with pytest.raises(SystemExit) as exit_info:

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "chat", help="interactive terminal chat",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    add_model_arguments(parser)
+    add_model_arguments(parser, activations=True)
     parser.add_argument("--system", metavar="TEXT", help="initial system message")
     add_sampling_arguments(parser, max_tokens=512)
     parser.set_defaults(run=run)

@@ -62,8 +62,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = 
                        help="tokens per KV page (default: 16)")
     if activations:
         group.add_argument("--activations", choices=ACTIVATIONS, default="f32",
-                           help="CUDA decode activations: f32 (exact) or q8 (int8 blocks and dp4a, "
-                           "llama.cpp's scheme: faster, logits a few percent off) (default: f32)")
+                           help="CUDA decode activations: f32 (exact: logits match the CPU reference "
+                           "backend's within 3e-3) or q8 (int8 blocks and dp4a, llama.cpp's scheme: faster "
+                           "decode on CUDA, logits a few percent off); the reference backend (also what "
+                           "--backend auto picks without a GPU) ignores it (default: f32)")
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:

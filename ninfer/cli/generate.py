@@ -21,7 +21,7 @@ time to first token, tok/s) goes to stderr. --json prints one JSON object instea
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("generate", help="generate one answer", description=DESCRIPTION)
-    add_model_arguments(parser)
+    add_model_arguments(parser, activations=True)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", "-p", metavar="TEXT", help="the user message (or raw text with --raw)")
     source.add_argument("--messages", metavar="FILE", help="JSON list of chat messages ('-' for stdin)")

@@ -42,7 +42,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("serve", help="serve OpenAI / Anthropic compatible HTTP APIs",
                                    description=DESCRIPTION, epilog=EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    add_model_arguments(parser)
+    add_model_arguments(parser, activations=True)
     _add_http_arguments(parser)
     _add_engine_arguments(parser)
     _add_default_arguments(parser)
@@ -112,6 +112,7 @@ def settings_from_args(args: argparse.Namespace):
     return ServerSettings(
         model=args.model, host=args.host, port=args.port, model_id=args.model_id, backend=args.backend,
         max_context=args.max_context, kv_capacity=args.kv_capacity, page_size=args.page_size,
+        activations=args.activations,
         max_concurrency=args.max_concurrency, max_pending_requests=args.max_pending_requests,
         pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk,
         prefix_reuse=args.prefix_reuse, host_cache_mib=args.host_cache_mib, api_keys=tuple(dict.fromkeys(keys)),

@@ -12,7 +12,7 @@ import re
 import attrs
 
 from ninfer.gpu.runner import SamplingParams
-from ninfer.runtime import BACKENDS, ConfigError, RuntimeOptions
+from ninfer.runtime import ACTIVATIONS, BACKENDS, ConfigError, RuntimeOptions
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 MIB = 1 << 20
@@ -38,6 +38,7 @@ class ServerSettings:
     max_context: int | None = None
     kv_capacity: int | str = "auto"  # tokens or "auto"
     page_size: int = 16
+    activations: str = "f32"  # CUDA decode activations (RuntimeOptions.activations); reference ignores it
     max_concurrency: int = 8
     max_pending_requests: int = 64
     pending_timeout_ms: int = 60_000
@@ -63,6 +64,8 @@ class ServerSettings:
         _check(bool(self.host), "--host must not be empty")
         _check(0 <= self.port <= 65535, f"--port must be between 0 and 65535, got {self.port}")
         _check(self.backend in BACKENDS, f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        _check(self.activations in ACTIVATIONS,
+               f"--activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")  # fmt: skip
         _check(self.model_id is None or bool(self.model_id.strip()), "--model-id must not be empty")
         for flag, value in (("--max-concurrency", self.max_concurrency), ("--max-pending-requests", self.max_pending_requests),
                             ("--pending-timeout-ms", self.pending_timeout_ms), ("--prefill-chunk", self.prefill_chunk),
@@ -116,7 +119,7 @@ class ServerSettings:
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(
             backend=self.backend, kv_capacity=self.kv_capacity, page_size=self.page_size,
-            max_context=self.max_context,
+            max_context=self.max_context, activations=self.activations,
         )  # fmt: skip
 
     def engine_fields(self) -> dict:
