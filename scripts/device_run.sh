@@ -6,7 +6,9 @@
 #         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
-# .stage/smollm2.part00 / part01); parts are kept in /tmp/ninfer-stage while the machine is warm.
+# .stage/smollm2.part00 / part01, and one of them .stage/smollm2.sha256 too: the parts are only
+# joined when the checksum is there); parts are kept in /tmp/ninfer-stage while the machine is warm.
+# Without the joined file the real-GGUF tests fall back to the model cache, which is empty there.
 set -uo pipefail
 WHAT=,${1:-bench,bench8b,tests},
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
