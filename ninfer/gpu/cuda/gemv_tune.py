@@ -1,12 +1,18 @@
 """Device time of single kernels at model shapes, replayed from CUDA graphs (GPU only).
 
     python -m ninfer.gpu.cuda.gemv_tune [--shapes llama3-8b,smollm2-135m] [--json FILE]
+    python -m ninfer.gpu.cuda.gemv_tune --gemm [--tokens 512,4096] [--tiles auto,64x64,32x64,32x32,old]
 
 For each linear of a decode layer (fused QKV, O, gate+up, down) and the LM head: the q8 GEMV
 with one activation row in several shapes (rows per lane group, unroll, L2 prefetch), each
 timed over a graph of launches that cycle through enough distinct weight copies that no
 launch finds its matrix in L2 (GB/s counts the weight planes only). Then RMSNorm (q8) and
 decode attention at the same model shape. Times are medians of CUDA-event-timed replays.
+
+`--gemm` times the prefill GEMM (gemm.gemm) instead, at the same linears (QKV, O, gate+up,
+down) for each token count, once per tile ("auto" = gemm.pick_tile's choice, "old" = the
+previous kernel), each as a graph of back-to-back launches on one weight (TFLOP/s = 2 M N K /
+time; O and down add the residual in place, as the forward pass does).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import sys
 import numpy as np
 from numba import cuda
 
-from ninfer.gpu.cuda import attention, gemv, norm
+from ninfer.gpu.cuda import attention, gemm, gemv, norm
 from ninfer.gpu.cuda.device_weights import upload_weight
 from ninfer.gpu.cuda.graphs import GraphCache
 from ninfer.gpu.cuda.quant_layout import pack_tensor, random_stored
@@ -116,14 +122,79 @@ def tune_small(spec, stream, rng) -> list[dict]:
     return out
 
 
+def _tile_arg(text: str):
+    if text in ("auto", "old"):
+        return None if text == "auto" else "old"
+    bm, bn = (int(v) for v in text.split("x"))
+    return bm, bn
+
+
+def tune_gemm(name, qtype, rows, cols, tokens, tiles, stream, rng) -> list[dict]:
+    packed = pack_tensor(random_stored(qtype, rows, cols, rng, scale=1.0 / np.sqrt(cols)))
+    w = upload_weight(packed, stream)
+    x = cuda.to_device(rng.standard_normal((tokens, cols)).astype(np.float32), stream=stream)
+    out = cuda.to_device(np.zeros((tokens, rows), np.float32), stream=stream)
+    res = out if name in ("o", "down") else None
+    flop = 2.0 * tokens * rows * cols
+    n = max(1, min(20, round(4e9 / flop)))  # launches per graph: about 4 GFLOP
+    rows_out = []
+    for text in tiles:
+        tile = _tile_arg(text)
+
+        def launch():
+            for _ in range(n):
+                gemm.gemm(w, x, out, res, tokens, stream, tile=tile)
+
+        us = 1e3 * _time_graph(stream, launch, reps=10) / n
+        picked = gemm.pick_tile(tokens, rows) if tile is None else tile
+        rows_out.append({"linear": name, "qtype": qtype, "tokens": tokens, "rows": rows, "cols": cols,
+                         "tile": text, "kernel": picked if picked == "old" else "x".join(map(str, picked)),
+                         "grid": _grid(picked, tokens, rows), "us": round(us, 2),
+                         "TFLOP/s": round(flop / us / 1e6, 2)})  # fmt: skip
+        print(json.dumps(rows_out[-1]), flush=True)
+    del w, x, out
+    return rows_out
+
+
+def _grid(tile, tokens, rows):
+    bm, bn = (gemm.BM, gemm.BN) if tile == "old" else tile
+    return [-(-rows // bn), -(-tokens // bm)]
+
+
+def run_gemm(args, stream, rng) -> list[dict]:
+    results = []
+    tiles = args.tiles.split(",")
+    for shape in args.shapes.split(","):
+        spec = random_spec(shape)
+        qkv = spec.q_dim + 2 * spec.kv_dim
+        linears = (("qkv", qkv, spec.d_model), ("o", spec.d_model, spec.q_dim),
+                   ("gate_up", 2 * spec.d_ffn, spec.d_model), ("down", spec.d_model, spec.d_ffn))  # fmt: skip
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for name, rows, cols in linears:
+                rows_out = tune_gemm(name, args.qtype, rows, cols, tokens, tiles, stream, rng)
+                results += [dict(r, shape=shape) for r in rows_out]
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ninfer.gpu.cuda.gemv_tune")
     p.add_argument("--shapes", default="llama3-8b,smollm2-135m")
     p.add_argument("--qtype", default="Q4_1")
     p.add_argument("--json")
+    p.add_argument("--gemm", action="store_true", help="time the prefill GEMM instead of the decode kernels")
+    p.add_argument("--tokens", default="512,4096", help="--gemm: token counts (M)")
+    p.add_argument("--tiles", default="auto,64x64,32x64,32x32,old", help="--gemm: tiles, auto = gemm.pick_tile")
     args = p.parse_args(argv)
+    for text in args.tiles.split(","):
+        _tile_arg(text)  # a bad tile fails before the GPU work
     stream = cuda.stream()
     rng = np.random.default_rng(0)
+    if args.gemm:
+        results = run_gemm(args, stream, rng)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     results = []
     for shape in args.shapes.split(","):
         spec = random_spec(shape)
