@@ -5,10 +5,14 @@ positions, so long contexts spread over many blocks (flash-decoding). Each of th
 walks every 4th position of its split with lanes over head_dim, scoring all `group` query
 heads that share the KV head and keeping an online softmax (max m, sum l, weighted values).
 `attn_combine` merges the splits per (row, head) and writes float32 or int8 (the o-proj input).
+For few rows and short contexts (`use_one_launch`, by the graph bucket) `attn_decode_one`
+does it all in one launch: one block of 8 warps per (row, KV head) walks the whole context.
 
-Prefill (rows of many tokens, or any mixed batch): grid (query tile, head); a tile is up to 16
-consecutive tokens of one row; keys stream through shared memory 32 positions at a time, from
-position 0 to the tile's last query (earlier pages included), causal per query.
+Prefill (rows of many tokens, or any mixed batch): a tile is up to TQ = 64 consecutive tokens
+of one row. float16 pools take the tensor-core kernel of flash.py; this module's SIMT kernel
+(exact, for float32 pools) runs grid (query tile x 4, head), each block 16 of a tile's
+queries; keys stream through shared memory 32 positions at a time, from position 0 to the
+block's last query (earlier pages included), causal per query.
 
 Scores are scaled by `scale` = 1 / sqrt(head_dim); K/V caches are [pages, page_size, kv_heads,
 head_dim] of one layer (float16 or float32; arithmetic in float32).
@@ -23,7 +27,15 @@ import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
-from ninfer.gpu.cuda.intrinsics import group_max, group_sum, warp_sum
+from ninfer.gpu.cuda.intrinsics import FULL_MASK, SIMULATOR, group_max, group_sum, warp_sum
+
+if SIMULATOR:
+    from ninfer.gpu.cuda.intrinsics import _warp_values
+else:
+    from llvmlite import ir as llvm_ir
+    from numba.core.extending import intrinsic
+
+    from ninfer.gpu.cuda.intrinsics import _asm_call, _elem_addr
 
 DECODE_THREADS = 128
 NEG_BIG = -1.0e30  # running-max seed: exp(NEG_BIG - finite) == 0 without inf - inf
@@ -181,9 +193,254 @@ def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, ou
     )
 
 
+# -- decode in one launch ----------------------------------------------------------------------
+
+# One block per (row, KV head) walks the whole context and writes the final output: no split
+# scratch and no combine launch. Lanes are split into groups of L = head_dim / 8: a group holds
+# one position, each lane 8 consecutive elements of it (one 16-byte load of float16 K and of
+# V), so a score takes log2(L) shuffles and a warp scores 32 / L positions at once. Every lane
+# group keeps its own online softmax; they merge by shuffles within the warp at the end, then
+# across warps through shared memory. Page ids of the next chunk are loaded before the current
+# chunk's arithmetic, so a chunk waits for one round trip (K / V), not two (table, then K / V).
+ONE_VEC = 8  # head_dim elements per lane
+ONE_WARPS = 8
+ONE_CHUNK = 4  # positions per lane group whose K / V are loaded together
+# When one launch is taken, from attn_tune on the H200 (2026-12-03, docs/performance.md): it
+# wins where the split path's grid is small AND the context is short (a block walks at most
+# 2 chunks: 1-4 rows at context 256 of SmolLM2, 9.7 vs 10.9 us), or where rows x KV heads
+# blocks fill a good part of the GPU (16 rows: SmolLM2 12.4 vs 14.9 us, 8B 23 vs 34 us at
+# context 256, 75 vs 124 us at 1,024); it loses for 1-4 rows of long contexts (8B, one row,
+# context 1,024: 72 vs 21 us). A chunk is ONE_WARPS * (32 / (head_dim / 8)) * ONE_CHUNK
+# positions: 128 at head_dim 64, 64 at 128. More than 16 rows keep split + combine (unmeasured).
+ONE_MAX_ROWS = 16
+ONE_SHORT_CHUNKS = 2
+ONE_FULL_BLOCKS = 48  # rows x KV heads
+ONE_MAX_CHUNKS = 16
+
+
+def one_launch_supported(head_dim: int) -> bool:
+    lanes = head_dim // ONE_VEC
+    return head_dim % ONE_VEC == 0 and 1 <= lanes <= 32 and lanes & (lanes - 1) == 0
+
+
+def one_launch_chunk(head_dim: int, warps: int = ONE_WARPS, ch: int = ONE_CHUNK) -> int:
+    """Positions one block of `attn_decode_one` covers per chunk."""
+    return warps * (32 // (head_dim // ONE_VEC)) * ch
+
+
+def use_one_launch(head_dim: int, num_kv_heads: int, num_rows: int, context: int) -> bool:
+    """Whether a decode step of `num_rows` rows (the graph bucket) whose rows are at most
+    `context` long (the bucket's splits x split_len) takes `attn_decode_one`: a function of
+    the graph key only, so a captured graph always holds the same kernels."""
+    if not one_launch_supported(head_dim) or num_rows > ONE_MAX_ROWS:
+        return False
+    chunks = -(-context // one_launch_chunk(head_dim))
+    return chunks <= ONE_SHORT_CHUNKS or (num_rows * num_kv_heads >= ONE_FULL_BLOCKS and chunks <= ONE_MAX_CHUNKS)
+
+
+if SIMULATOR:
+
+    def ld8(arr, i0, i1, i2, i3):
+        return tuple(float32(arr[i0, i1, i2, i3 + k]) for k in range(8))
+
+    def shfl_xor(v, off):
+        vals, lane = _warp_values(v)
+        return vals[lane ^ off]
+
+else:
+
+    @intrinsic
+    def ld8(typingctx, arr, i0, i1, i2, i3):
+        """arr[i0, i1, i2, i3 : i3 + 8] as eight float32 (a float16 or float32 array; the first
+        element 16-byte aligned): one 16-byte load (float16) or two (float32), read-only path."""
+        if not isinstance(arr, types.Array) or arr.dtype not in (types.float16, types.float32):
+            return None
+        ret = types.UniTuple(types.float32, 8)
+        sig = ret(arr, i0, i1, i2, i3)
+        if arr.dtype == types.float16:
+            text = (
+                "{ .reg .b32 t0, t1, t2, t3; .reg .b16 h0, h1, h2, h3, h4, h5, h6, h7; "
+                "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [$8]; "
+                "mov.b32 {h0, h1}, t0; mov.b32 {h2, h3}, t1; mov.b32 {h4, h5}, t2; mov.b32 {h6, h7}, t3; "
+                + " ".join(f"cvt.f32.f16 ${k}, h{k};" for k in range(8))
+                + " }"
+            )
+        else:
+            text = "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.f32 {$4, $5, $6, $7}, [$8+16];"
+
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature, args)
+            st = llvm_ir.LiteralStructType([llvm_ir.FloatType()] * 8)
+            res = _asm_call(builder, st, [llvm_ir.IntType(64)], text, "=f," * 8 + "l", [addr])
+            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(8)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(v, off):
+        return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
+
+def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_WARPS, ch: int = ONE_CHUNK):
+    if not one_launch_supported(head_dim):
+        raise ValueError(f"the one-launch decode attention needs head_dim / 8 a power of two <= 32, got {head_dim}")
+    vec = ONE_VEC
+    lanes = head_dim // vec  # lanes per position
+    per_warp = 32 // lanes  # positions a warp scores at once
+    nw = warps
+    gv = group * vec
+    cv = ch * vec
+    gc = group * ch
+    step = nw * per_warp * ch  # positions per chunk of the whole block
+    nblk = group * head_dim // 32  # 32-column output blocks of the KV head's query heads
+    out_iters = -(-nblk // nw)
+
+    def attn_decode_one(q, k_cache, v_cache, tables, seq_lens, out, xs, scale):
+        b = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        lane = cuda.threadIdx.x % 32
+        warp = cuda.threadIdx.x // 32
+        slot = lane // lanes
+        d0 = (lane % lanes) * vec
+        page_size = k_cache.shape[1]
+        last_t = tables.shape[1] - 1
+        base = warp * per_warp + slot  # this lane group's position in a chunk, first round
+        qr = cuda.local.array(gv, float32)
+        acc = cuda.local.array(gv, float32)
+        m = cuda.local.array(group, float32)
+        lsum = cuda.local.array(group, float32)
+        kc = cuda.local.array(cv, float32)
+        vc = cuda.local.array(cv, float32)
+        sc = cuda.local.array(gc, float32)
+        pg = cuda.local.array(ch, types.int32)
+        # the first chunk's page ids do not wait for seq_lens (clamped to the table, masked later)
+        for j in range(ch):
+            pg[j] = tables[b, min((j * nw * per_warp + base) // page_size, last_t)]
+        for g in range(group):
+            h = kvh * group + g
+            for i in range(vec):
+                qr[g * vec + i] = q[b, h * head_dim + d0 + i] * scale
+                acc[g * vec + i] = float32(0.0)
+            m[g] = float32(NEG_BIG)
+            lsum[g] = float32(0.0)
+        n = seq_lens[b]
+        for c in range(max(1, (n + step - 1) // step)):  # the same for the whole block
+            first = c * step + base
+            for j in range(ch):
+                p = first + j * nw * per_warp
+                ok = p < n
+                page = pg[j] if ok else 0
+                k0, k1, k2, k3, k4, k5, k6, k7 = ld8(k_cache, page, p % page_size, kvh, d0)
+                v0, v1, v2, v3, v4, v5, v6, v7 = ld8(v_cache, page, p % page_size, kvh, d0)
+                kc[j * vec + 0], kc[j * vec + 1], kc[j * vec + 2], kc[j * vec + 3] = k0, k1, k2, k3
+                kc[j * vec + 4], kc[j * vec + 5], kc[j * vec + 6], kc[j * vec + 7] = k4, k5, k6, k7
+                zero = float32(0.0)
+                vc[j * vec + 0] = v0 if ok else zero
+                vc[j * vec + 1] = v1 if ok else zero
+                vc[j * vec + 2] = v2 if ok else zero
+                vc[j * vec + 3] = v3 if ok else zero
+                vc[j * vec + 4] = v4 if ok else zero
+                vc[j * vec + 5] = v5 if ok else zero
+                vc[j * vec + 6] = v6 if ok else zero
+                vc[j * vec + 7] = v7 if ok else zero
+            for j in range(ch):  # the next chunk's page ids, in flight during this chunk's arithmetic
+                pg[j] = tables[b, min((first + step + j * nw * per_warp) // page_size, last_t)]
+            for g in range(group):  # every score of the chunk first: independent shuffle chains
+                for j in range(ch):
+                    part = float32(0.0)
+                    for i in range(vec):
+                        part += qr[g * vec + i] * kc[j * vec + i]
+                    s = group_sum(part, lanes)
+                    sc[g * ch + j] = s if first + j * nw * per_warp < n else float32(NEG_BIG)
+            for g in range(group):
+                m_new = m[g]
+                for j in range(ch):
+                    m_new = max(m_new, sc[g * ch + j])
+                corr = math.exp(m[g] - m_new)
+                lsum[g] *= corr
+                for i in range(vec):
+                    acc[g * vec + i] *= corr
+                for j in range(ch):
+                    pe = math.exp(sc[g * ch + j] - m_new) if first + j * nw * per_warp < n else float32(0.0)
+                    lsum[g] += pe
+                    for i in range(vec):
+                        acc[g * vec + i] += pe * vc[j * vec + i]
+                m[g] = m_new
+        # merge the lane groups of the warp (butterfly over lanes L, 2L, ... apart)
+        off = lanes
+        while off < 32:
+            for g in range(group):
+                mo = shfl_xor(m[g], off)
+                lo = shfl_xor(lsum[g], off)
+                mn = max(m[g], mo)
+                ca = math.exp(m[g] - mn)
+                cb = math.exp(mo - mn)
+                lsum[g] = lsum[g] * ca + lo * cb
+                for i in range(vec):
+                    ao = shfl_xor(acc[g * vec + i], off)
+                    acc[g * vec + i] = acc[g * vec + i] * ca + ao * cb
+                m[g] = mn
+            off *= 2
+        # then the warps, through shared memory
+        sm = cuda.shared.array((nw, group), float32)
+        sl = cuda.shared.array((nw, group), float32)
+        sa = cuda.shared.array((nw, group, head_dim), float32)
+        if slot == 0:
+            for g in range(group):
+                if lane == 0:
+                    sm[warp, g] = m[g]
+                    sl[warp, g] = lsum[g]
+                for i in range(vec):
+                    sa[warp, g, d0 + i] = acc[g * vec + i]
+        cuda.syncthreads()
+        for it in range(out_iters):  # warp w writes 32-column blocks w, w + nw, ...
+            blk = it * nw + warp
+            valid = blk < nblk
+            idx = blk * 32 + lane if valid else lane
+            g = idx // head_dim
+            e = idx % head_dim
+            mx = sm[0, g]
+            for w in range(1, nw):
+                mx = max(mx, sm[w, g])
+            tot = float32(0.0)
+            val = float32(0.0)
+            for w in range(nw):
+                f = math.exp(sm[w, g] - mx)
+                tot += sl[w, g] * f
+                val += sa[w, g, e] * f
+            v = val / tot
+            col = kvh * group * head_dim + idx
+            if mode == "f32":
+                if valid:
+                    out[b, col] = v
+            else:
+                store_q8(v, valid, out, xs, b, col // 32, lane)
+
+    return attn_decode_one
+
+
+@functools.cache
+def attn_decode_one_kernel(head_dim, group, mode, warps, ch):
+    fn = make_attn_decode_one(head_dim, group, mode, warps, ch)
+    # launch bounds: 16 warps must fit 128 registers a thread (8 warps fit without a cap)
+    return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=32 * warps)(fn)
+
+
+def attn_decode_one(spec, q, k_cache, v_cache, tables, seq_lens, out, xs, num_rows, mode, stream=0,
+                    warps: int | None = None, ch: int | None = None) -> None:  # fmt: skip
+    """Decode attention in one launch, grid (row, KV head): float32 `out` [B, q_dim], or int8
+    blocks + scales (`xs`) for mode 'q8'. K / V caches must have 16-byte aligned rows."""
+    warps, ch = warps or ONE_WARPS, ch or ONE_CHUNK
+    scale = np.float32(1.0 / math.sqrt(spec.head_dim))
+    attn_decode_one_kernel(spec.head_dim, spec.group_size, mode, warps, ch)[
+        (num_rows, spec.num_kv_heads), 32 * warps, stream
+    ](q, k_cache, v_cache, tables, seq_lens, out, xs, scale)
+
+
 # -- prefill -----------------------------------------------------------------------------------
 
-TQ = 16  # queries per tile
+TQ = 64  # queries per tile (flash.py's block; this kernel takes a tile in SUB_TQ-query blocks)
+SUB_TQ = 16  # queries per block of the SIMT kernel
 TK = 32  # keys per shared-memory step
 PREFILL_THREADS = 128  # 16 queries x 8 threads
 
@@ -196,19 +453,22 @@ def make_attn_prefill(head_dim: int):
 
     def attn_prefill(q, k_cache, v_cache, tables, tile_row, tile_tok0, tile_ntok, row_tok0, row_start, out,
                      scale, group):  # fmt: skip
-        tile = cuda.blockIdx.x
+        tile = cuda.blockIdx.x // (TQ // SUB_TQ)
+        sub = cuda.blockIdx.x % (TQ // SUB_TQ)
         h = cuda.blockIdx.y
         kvh = h // group
         tid = cuda.threadIdx.x
         r = tile_row[tile]
-        t0 = tile_tok0[tile]
-        nt = tile_ntok[tile]
+        t0 = tile_tok0[tile] + SUB_TQ * sub
+        nt = min(tile_ntok[tile] - SUB_TQ * sub, SUB_TQ)
+        if nt <= 0:  # uniform over the block
+            return
         page_size = k_cache.shape[1]
-        qs = cuda.shared.array((TQ, hd1), float32)
+        qs = cuda.shared.array((SUB_TQ, hd1), float32)
         ks = cuda.shared.array((TK, hd1), float32)
         vs = cuda.shared.array((TK, head_dim), float32)
-        ps = cuda.shared.array((TQ, tk1), float32)
-        for idx in range(tid, TQ * head_dim, PREFILL_THREADS):
+        ps = cuda.shared.array((SUB_TQ, tk1), float32)
+        for idx in range(tid, SUB_TQ * head_dim, PREFILL_THREADS):
             i = idx // head_dim
             d = idx % head_dim
             qs[i, d] = q[t0 + i, h * head_dim + d] * scale if i < nt else float32(0.0)
@@ -283,7 +543,7 @@ def attn_prefill_kernel(head_dim):
 def attn_prefill(spec, q, k_cache, v_cache, tables, tiles, out, num_tiles, stream=0) -> None:
     """tiles = (tile_row, tile_tok0, tile_ntok, row_tok0, row_start) device int32 arrays."""
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-    attn_prefill_kernel(spec.head_dim)[(num_tiles, spec.num_heads), PREFILL_THREADS, stream](
+    attn_prefill_kernel(spec.head_dim)[(num_tiles * (TQ // SUB_TQ), spec.num_heads), PREFILL_THREADS, stream](
         q, k_cache, v_cache, tables, *tiles, out, scale, spec.group_size
     )
 
@@ -333,4 +593,11 @@ def ptx_cases():
     for hd in (64, 128):
         cases.append((f"attn_combine_f32_hd{hd}", make_attn_combine(hd, 256, "f32"), (f4, f4, i1, f2, f2)))
         cases.append((f"attn_combine_q8_hd{hd}", make_attn_combine(hd, 256, "q8"), (f4, f4, i1, types.int8[:, ::1], f2)))
+    for kv_t in (types.float16, types.float32):
+        cache = types.Array(kv_t, 4, "C")
+        for hd, group in ((64, 3), (128, 4), (128, 2)):
+            for mode, out_t in (("f32", f2), ("q8", types.int8[:, ::1])):
+                sig = (f2, cache, cache, i2, i1, out_t, f2, types.float32)
+                name = f"attn_decode_one_{mode}_hd{hd}_g{group}_{kv_t}"
+                cases.append((name, make_attn_decode_one(hd, group, mode), sig))
     return cases

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import attrs
 
-from ninfer.gpu.cuda import act_quant, attention, embed, gemm, gemv, norm, rope, sampler, swiglu
+from ninfer.gpu.cuda import act_quant, attention, embed, flash, gemm, gemv, norm, rope, sampler, swiglu
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +58,10 @@ class Forward:
             gemv.fusable(w) for layer in model.layers for w in (*layer.wqkv, *layer.w_gate_up, layer.w_down)
         )
         self.fuse = self.can_fuse and FUSE_SMALL
+        # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
+        self._kv_words = None
+        if flash.supports(spec.head_dim, k_pool.dtype):
+            self._kv_words = [(flash.words(k_pool[i]), flash.words(v_pool[i])) for i in range(spec.num_layers)]
         d = spec.d_model
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
 
@@ -131,11 +135,22 @@ class Forward:
         b, spec = self.bufs, self.spec
         if plan.decode:
             out = b.xq8 if act == "q8" else b.h
+            # one launch or split + combine, by the bucket (rows, splits): fixed per graph key
+            context = (plan.num_splits or b.o_part.shape[2]) * self.split_len
+            if attention.use_one_launch(spec.head_dim, spec.num_kv_heads, plan.num_rows, context):
+                attention.attn_decode_one(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
+                                          plan.num_rows, act, stream)  # fmt: skip
+                return
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
                                   b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
                                   plan.num_splits or None)  # fmt: skip
             return
-        attention.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, plan.num_tiles, stream)
+        if self._kv_words is not None:
+            kw, vw = self._kv_words[i]
+            flash.flash_prefill(spec, b.q, kw, vw, b.tables, b.tiles, b.h, plan.num_tiles, self.k_pool.shape[2], stream)
+        else:
+            attention.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, plan.num_tiles,
+                                   stream)  # fmt: skip
         if act == "q8":
             act_quant.quantize_rows(b.h, b.xq8, b.xs, plan.num_tokens, spec.q_dim, stream)
 

@@ -249,8 +249,27 @@ else:
         h = np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
         return np.uint32(h[0] | (h[1] << 16))
 
-    def mma_m16n8k16(*args):
-        raise RuntimeError("mma.sync has no simulator twin; use the scalar tile path")
+    def _halves(word):
+        w = int(word) & _M32
+        return np.array([w & 0xFFFF, w >> 16], dtype=np.uint16).view(np.float16).astype(np.float64)
+
+    def mma_m16n8k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """The warp-wide product through a lane exchange, with PTX's fragment layout (lane =
+        4 * g + t): A 16x16 row-major {a0: (g, 2t..), a1: (g+8, 2t..), a2: (g, 2t+8..), a3:
+        (g+8, 2t+8..)}, B 16x8 {b0: (k 2t.., n g), b1: (k 2t+8.., n g)}, C 16x8 {c0, c1: (g,
+        2t..), c2, c3: (g+8, 2t..)}. Every lane of the warp must call it."""
+        vals, lane = _warp_values((a0, a1, a2, a3, b0, b1))
+        a = np.zeros((16, 16))
+        b = np.zeros((16, 8))
+        for ln, regs in enumerate(vals):
+            g, t = ln // 4, ln % 4
+            for reg, (r, k) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                a[r, k : k + 2] = _halves(regs[reg])
+            for reg, k in enumerate((2 * t, 2 * t + 8)):
+                b[k : k + 2, g] = _halves(regs[4 + reg])
+        g, t = lane // 4, lane % 4
+        c = a[[g, g + 8]][:, :] @ b[:, [2 * t, 2 * t + 1]]
+        return (float32(c0 + c[0, 0]), float32(c1 + c[0, 1]), float32(c2 + c[1, 0]), float32(c3 + c[1, 1]))
 
     import threading
 

@@ -18,7 +18,7 @@ import traceback
 import numpy as np
 from numba import cuda
 
-from ninfer.gpu.cuda import act_quant, attention, dequant, embed, gemm, gemv, norm, pages, rope, sampler, swiglu
+from ninfer.gpu.cuda import act_quant, attention, dequant, embed, flash, gemm, gemv, norm, pages, rope, sampler, swiglu
 from ninfer.gpu.cuda.device_weights import host_weight, upload_weight
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.quant_layout import DEVICE_QTYPES, pack_tensor, random_stored
@@ -153,6 +153,24 @@ def check_gemm(scale, rng):
         out = _dev(res)
         gemm.gemm(_weight(pack_tensor(t)), _dev(x), out, out, m)
         _close(out.copy_to_host(), gemm.gemm_ref(t.dequantize(), x, res), 1e-4, f"gemm {q}")
+    # every tile (and the old kernel): M and N not multiples of the tile, an odd number of K
+    # blocks (the pipelined kernels' half-empty last step), res aliasing out or none; rows past
+    # num_m of x are NaN (must not be read) and of out must stay as they were
+    m, n, k = (37, 70, 96) if tiny else (300, 1000, 4000)
+    t = random_stored("Q4_1", n, k, rng)
+    w = _weight(pack_tensor(t))
+    x = rng.standard_normal((m + 3, k)).astype(np.float32)
+    x[m:] = np.nan
+    for i, tile in enumerate((*gemm.TILES, "old")):
+        with_res = i % 2 == 0
+        res = rng.standard_normal((m + 3, n)).astype(np.float32)
+        out = _dev(res)
+        gemm.gemm(w, _dev(x), out, out if with_res else None, m, tile=tile)
+        got = out.copy_to_host()
+        want = gemm.gemm_ref(t.dequantize(), x[:m], res[:m] if with_res else None)
+        _close(got[:m], want, 1e-4, f"gemm tile {tile} res {with_res}")
+        if not np.array_equal(got[m:], res[m:]):
+            raise AssertionError(f"gemm tile {tile}: rows past num_m written")
 
 
 # -- elementwise and norms ------------------------------------------------------------------------
@@ -277,29 +295,44 @@ def _paged_case(spec, scale, rng, lengths, kv_t, page_size):
 
 
 def check_attn_decode(scale, rng):
+    """Split + combine, and the one-launch kernel (both output modes, a few warp / chunk shapes:
+    several chunks per row, lane groups of 4 (head_dim 32), 8 (64) and 16 (128) lanes)."""
     tiny = scale == "tiny"
-    for group, kv_t, mode in ((2, np.float32, "f32"), (3, np.float16, "q8")):
-        spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8)
+    for group, kv_t, mode, hd in ((2, np.float32, "f32", 32 if tiny else 128), (3, np.float16, "q8", 64)):
+        spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8, head_dim=hd)
         split = 8 if tiny else 256
-        lengths = [1, 13, 21] if tiny else [1, 300, 4000, 8192]
+        lengths = [1, 13, 21, 40] if tiny else [1, 300, 4000, 8192]
         tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, kv_t, 4 if tiny else 16)
         q = rng.standard_normal((len(lengths), spec.q_dim)).astype(np.float32)
         max_splits = -(-max(lengths) // split)
         o_part = _poisoned((len(lengths), spec.num_heads, max_splits, spec.head_dim))
         ml = _poisoned((len(lengths), spec.num_heads, max_splits, 2))
-        out = _poisoned((len(lengths), spec.q_dim), np.float32 if mode == "f32" else np.int8)
-        xs = _poisoned((len(lengths), 2 * spec.q_dim // 32))
-        attention.attn_decode(spec, _dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)),
-                              o_part, ml, out, xs, len(lengths), split, mode)  # fmt: skip
+        args = (_dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)))
         want = np.concatenate([
             attention.attention_ref(q[r : r + 1], *context(r), [n - 1], group, spec.head_dim)
             for r, n in enumerate(lengths)
         ])  # fmt: skip
-        if mode == "f32":
-            _close(out.copy_to_host(), want, 1e-5, f"attn_decode g{group}")
-        else:
-            got = act_quant.dequantize_q8_ref(out.copy_to_host(), xs.copy_to_host())
-            _close(got, want, 1e-2, f"attn_decode q8 g{group}")
+        out, xs = _attn_out(spec, len(lengths), mode)
+        attention.attn_decode(spec, *args, o_part, ml, out, xs, len(lengths), split, mode)
+        _check_attn(out, xs, want, mode, f"attn_decode g{group}")
+        for warps, ch in ((2, 1), (4, 2)) if tiny else ((None, None), (16, 1), (4, 4)):
+            for m in ("f32", "q8"):
+                out, xs = _attn_out(spec, len(lengths), m)
+                attention.attn_decode_one(spec, *args, out, xs, len(lengths), m, warps=warps, ch=ch)
+                _check_attn(out, xs, want, m, f"attn_decode_one g{group} hd{hd} warps {warps} ch {ch}")
+
+
+def _attn_out(spec, rows, mode):
+    out = _poisoned((rows, spec.q_dim), np.float32 if mode == "f32" else np.int8)
+    return out, _poisoned((rows, 2 * spec.q_dim // 32))
+
+
+def _check_attn(out, xs, want, mode, name):
+    if mode == "f32":
+        _close(out.copy_to_host(), want, 1e-5, name)
+    else:
+        got = act_quant.dequantize_q8_ref(out.copy_to_host(), xs.copy_to_host())
+        _close(got, want, 1e-2, f"{name} q8")
 
 
 def check_attn_prefill(scale, rng):
@@ -319,6 +352,35 @@ def check_attn_prefill(scale, rng):
         wants.append(attention.attention_ref(q[o : o + c], *context(r), np.arange(s, s + c), spec.group_size, spec.head_dim))
         o += c
     _close(out.copy_to_host(), np.concatenate(wants), 1e-4, "attn_prefill")
+
+
+def check_flash_prefill(scale, rng):
+    """The tensor-core prefill attention (float16 pools): tiles of 64 queries, keys in tiles of
+    64, rows that start mid-page and mid-tile; f16 Q and P, so a looser tolerance."""
+    tiny = scale == "tiny"
+    cases = [(_spec(scale, num_heads=2, num_kv_heads=1), [70, 1, 5], [6, 9, 60])] if tiny else [
+        (_spec(scale), [700, 1, 64, 1000], [3000, 5000, 0, 17]),
+        (_spec(scale, num_heads=9, num_kv_heads=3, head_dim=64), [512, 3, 130], [0, 40, 4000]),
+    ]  # fmt: skip
+    for spec, counts, starts in cases:
+        lengths = [s + c for s, c in zip(starts, counts)]
+        tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, np.float16, 4 if tiny else 16)
+        q = rng.standard_normal((sum(counts), spec.q_dim)).astype(np.float32)
+        plan = attention.plan_tiles(counts, starts)
+        n_tiles = int(plan[0].shape[0]) + 1  # one padding tile, as a graph bucket launches
+        padded = [np.concatenate([a, [0]]).astype(np.int32) for a in plan[:3]]
+        tiles = [_dev(a) for a in (*padded, *plan[3:])]
+        out = _poisoned(q.shape)
+        words = flash.words
+        flash.flash_prefill(spec, _dev(q), words(_dev(kc)), words(_dev(vc)), _dev(tables), tiles, out, n_tiles,
+                            kc.shape[1])  # fmt: skip
+        o = 0
+        wants = []
+        for r, (s, c) in enumerate(zip(starts, counts)):
+            wants.append(attention.attention_ref(q[o : o + c], *context(r), np.arange(s, s + c), spec.group_size,
+                                                 spec.head_dim))  # fmt: skip
+            o += c
+        _close(out.copy_to_host(), np.concatenate(wants), 3e-3, f"flash_prefill hd{spec.head_dim}")
 
 
 # -- sampling and pages ------------------------------------------------------------------------------

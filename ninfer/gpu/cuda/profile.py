@@ -20,7 +20,7 @@ import time
 import numpy as np
 from numba import cuda
 
-PAGES_PER_ROW = 16  # 256 positions per stream
+PAGES_PER_ROW = 64  # 1,024 positions per stream (the max_context below)
 
 
 def _rows(runner, streams, pos, last):
@@ -96,6 +96,22 @@ def _ncu_replays(runner, streams, prompt_len) -> int:
     return 0
 
 
+def _ncu_prefill(runner, prompt_len) -> int:
+    """One prefill step of `prompt_len` tokens (one sequence) between cuProfilerStart / Stop."""
+    from cuda.bindings import driver
+
+    rng = np.random.default_rng(0)
+    prompt = [rng.integers(0, runner.spec.vocab_size, prompt_len)]
+    for _ in range(2):  # compile, capture
+        runner.step(_rows(runner, 1, 0, prompt))
+    runner.stream.synchronize()
+    driver.cuProfilerStart()
+    runner.step(_rows(runner, 1, 0, prompt))
+    runner.stream.synchronize()
+    driver.cuProfilerStop()
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ninfer.gpu.cuda.profile")
     p.add_argument("model", nargs="?")
@@ -108,6 +124,8 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--ncu", action="store_true", help="under `ncu --profile-from-start off`: after warm-up, "
                    "replay each stream count's decode graph once between cuProfilerStart / Stop")  # fmt: skip
+    p.add_argument("--prefill", type=int, default=0, help="with --ncu: profile one prefill of this many tokens "
+                   "instead of the decode graphs")  # fmt: skip
     args = p.parse_args(argv)
     from ninfer.gpu.cuda.random_model import random_model, random_spec
     from ninfer.gpu.cuda.runner import CudaRunner
@@ -121,6 +139,8 @@ def main(argv=None) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     runner = CudaRunner(model, num_pages=PAGES_PER_ROW * (max(streams) + 1), page_size=16, max_batch_rows=max(streams),
                         max_context=1024, activations=args.activations)  # fmt: skip
+    if args.ncu and args.prefill:
+        return _ncu_prefill(runner, args.prefill)
     if args.ncu:
         return _ncu_replays(runner, streams, args.prompt)
     results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]

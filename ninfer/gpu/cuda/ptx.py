@@ -21,7 +21,7 @@ import re
 import sys
 
 KERNEL_MODULES = (
-    "dequant", "gemv", "gemm", "norm", "rope", "attention", "swiglu", "embed", "act_quant", "sampler", "pages",
+    "dequant", "gemv", "gemm", "norm", "rope", "attention", "flash", "swiglu", "embed", "act_quant", "sampler", "pages",
 )  # fmt: skip
 
 
