@@ -27,7 +27,7 @@ import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
-from ninfer.gpu.cuda.intrinsics import FULL_MASK, SIMULATOR, group_max, group_sum, warp_sum
+from ninfer.gpu.cuda.intrinsics import FULL_MASK, SIMULATOR, device, group_max, group_sum, warp_sum
 
 if SIMULATOR:
     from ninfer.gpu.cuda.intrinsics import _warp_values
@@ -39,6 +39,22 @@ else:
 
 DECODE_THREADS = 128
 NEG_BIG = -1.0e30  # running-max seed: exp(NEG_BIG - finite) == 0 without inf - inf
+
+
+@device
+def merge_warps(sm, sl, sa, nw, g, e):
+    """(max, sum, weighted value) of element e of head g over the `nw` warps' online softmaxes
+    (maxima sm[w, g], sums sl[w, g], unnormalised outputs sa[w, g, e])."""
+    mx = sm[0, g]
+    for w in range(1, nw):
+        mx = max(mx, sm[w, g])
+    tot = float32(0.0)
+    val = float32(0.0)
+    for w in range(nw):
+        f = math.exp(sm[w, g] - mx)
+        tot += sl[w, g] * f
+        val += sa[w, g, e] * f
+    return mx, tot, val
 
 
 def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = DECODE_THREADS):
@@ -123,15 +139,7 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
         for idx in range(cuda.threadIdx.x, group * head_dim, threads):
             g = idx // head_dim
             e = idx % head_dim
-            mx = sm[0, g]
-            for w in range(1, nw):
-                mx = max(mx, sm[w, g])
-            tot = float32(0.0)
-            val = float32(0.0)
-            for w in range(nw):
-                f = math.exp(sm[w, g] - mx)
-                tot += sl[w, g] * f
-                val += sa[w, g, e] * f
+            mx, tot, val = merge_warps(sm, sl, sa, nw, g, e)
             h = kvh * group + g
             o_part[b, h, sp, e] = val
             if e == 0:
@@ -399,15 +407,7 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
             idx = blk * 32 + lane if valid else lane
             g = idx // head_dim
             e = idx % head_dim
-            mx = sm[0, g]
-            for w in range(1, nw):
-                mx = max(mx, sm[w, g])
-            tot = float32(0.0)
-            val = float32(0.0)
-            for w in range(nw):
-                f = math.exp(sm[w, g] - mx)
-                tot += sl[w, g] * f
-                val += sa[w, g, e] * f
+            mx, tot, val = merge_warps(sm, sl, sa, nw, g, e)
             v = val / tot
             col = kvh * group * head_dim + idx
             if mode == "f32":

@@ -17,8 +17,8 @@ Under the simulator (no mma) the same tiles are multiplied by a scalar loop in w
 thread computes exactly the accumulator elements its mma fragment would hold, so staging,
 ownership and the epilogue are what the simulated test checks.
 
-`tile="old"` keeps the previous kernel (64 x 64, 32-wide K steps, two syncthreads per step, no
-overlap) for timing comparisons (gemv_tune --gemm).
+The previous kernel (64 x 64 only, 32-wide K steps, two syncthreads per step, no overlap of
+loads and mma) measured 1.5-2.5x slower on every SmolLM2 and 8B linear (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -29,17 +29,12 @@ import numpy as np
 from numba import cuda, float32, int32, int64, types, uint32
 
 from ninfer.gpu.cuda.dequant import DQ_WORD
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, ld4_f32, mma_m16n8k16, pack_half2
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, ld4_f32_pinned, mma_m16n8k16, pack_half2
 
 THREADS = 128
 BK = 64  # K per pipelined step: two 32-element quant blocks
 TILES = ((64, 64), (32, 64), (32, 32))  # (BM tokens, BN weight rows), largest first
 DEFAULT_SMS = 132  # H200 / H100 SXM
-# the previous kernel ("old"): 64 x 64, K steps of 32, rows padded to 20 words
-BM = 64
-BN = 64
-OLD_BK = 32
-ROW_WORDS = 20
 
 
 def _row_words(bk: int) -> int:
@@ -94,54 +89,16 @@ else:
                     acc[i + 3] = c3
 
         # the k16 slices spelled out: LLVM does not unroll a 4-trip loop around this body
-        if kwords == 16:
+        assert kwords == 32
 
-            @device
-            def tile_product(a_s, b_s, buf, acc, wm, wn, g, t):
-                k16(a_s, b_s, buf, acc, wm, wn, g, t, 0)
-                k16(a_s, b_s, buf, acc, wm, wn, g, t, 8)
-
-        else:
-            assert kwords == 32
-
-            @device
-            def tile_product(a_s, b_s, buf, acc, wm, wn, g, t):
-                k16(a_s, b_s, buf, acc, wm, wn, g, t, 0)
-                k16(a_s, b_s, buf, acc, wm, wn, g, t, 8)
-                k16(a_s, b_s, buf, acc, wm, wn, g, t, 16)
-                k16(a_s, b_s, buf, acc, wm, wn, g, t, 24)
+        @device
+        def tile_product(a_s, b_s, buf, acc, wm, wn, g, t):
+            k16(a_s, b_s, buf, acc, wm, wn, g, t, 0)
+            k16(a_s, b_s, buf, acc, wm, wn, g, t, 8)
+            k16(a_s, b_s, buf, acc, wm, wn, g, t, 16)
+            k16(a_s, b_s, buf, acc, wm, wn, g, t, 24)
 
         return tile_product
-
-
-if SIMULATOR:
-    ld4_f32_pinned = ld4_f32
-else:
-    from llvmlite import ir
-    from numba.core import cgutils
-    from numba.core.extending import intrinsic
-
-    @intrinsic
-    def ld4_f32_pinned(typingctx, arr, row, col):
-        """arr[row, col:col+4] (float32, col % 4 == 0) in one 16-byte load that ptxas keeps on
-        its side of a barrier: a coherent `ld.global` (intrinsics.ld4_f32's `.nc` load may be
-        moved across bar.sync, and ptxas sinks it below the mma to save registers)."""
-        ret = types.UniTuple(types.float32, 4)
-        sig = ret(arr, row, col)
-
-        def codegen(context, builder, signature, args):
-            aryty = signature.args[0]
-            ary = context.make_array(aryty)(context, builder, args[0])
-            inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
-            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
-            addr = builder.ptrtoint(ptr, ir.IntType(64))
-            f32 = ir.FloatType()
-            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [ir.IntType(64)])
-            text = "ld.global.v4.f32 {$0,$1,$2,$3}, [$4];"
-            res = builder.call(ir.InlineAsm(fnty, text, "=f,=f,=f,=f,l", side_effect=True), [addr])
-            return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
-
-        return sig, codegen
 
 
 def make_gemm(qtype: str, bm: int = 64, bn: int = 64):
@@ -253,68 +210,10 @@ def make_gemm(qtype: str, bm: int = 64, bn: int = 64):
     return gemm
 
 
-def make_gemm_old(qtype: str):
-    """The previous kernel: 64 x 64, 32-wide K steps staged and multiplied in turn."""
-    dq = DQ_WORD[qtype]
-    tile_product = _make_tile_product(2, 4, OLD_BK // 2)
-
-    def gemm(qs, d16, aux, sc8, x, out, res, num_m, num_n, num_kblocks, has_res):
-        tid = cuda.threadIdx.x
-        n_base = cuda.blockIdx.x * BN
-        m_base = cuda.blockIdx.y * BM
-        warp = tid // 32
-        lane = tid % 32
-        wm = warp // 2
-        wn = warp % 2
-        g = lane // 4
-        t = lane % 4
-        a_s = cuda.shared.array((1, BM, ROW_WORDS), uint32)
-        b_s = cuda.shared.array((1, BN, ROW_WORDS), uint32)
-        acc = cuda.local.array(32, float32)
-        for i in range(32):
-            acc[i] = float32(0.0)
-        srow = tid // 2  # staging: each thread fills half a row of each tile
-        shalf = tid % 2
-        for kb in range(num_kblocks):
-            am = m_base + srow
-            for q4 in range(4):
-                col = kb * OLD_BK + shalf * 16 + 4 * q4
-                if am < num_m:
-                    v0, v1, v2, v3 = ld4_f32(x, am, col)
-                else:
-                    v0 = v1 = v2 = v3 = float32(0.0)
-                a_s[0, srow, shalf * 8 + 2 * q4] = pack_half2(v0, v1)
-                a_s[0, srow, shalf * 8 + 2 * q4 + 1] = pack_half2(v2, v3)
-            wr = n_base + srow
-            for jj in range(4):
-                j = shalf * 4 + jj
-                if wr < num_n:
-                    w0, w1, w2, w3 = dq(qs, d16, aux, sc8, wr, kb, j)
-                else:
-                    w0 = w1 = w2 = w3 = float32(0.0)
-                b_s[0, srow, 2 * j] = pack_half2(w0, w1)
-                b_s[0, srow, 2 * j + 1] = pack_half2(w2, w3)
-            cuda.syncthreads()
-            tile_product(a_s, b_s, 0, acc, wm, wn, g, t)
-            cuda.syncthreads()
-        for mt in range(2):
-            for nt in range(4):
-                for ci in range(4):
-                    row = m_base + wm * 32 + mt * 16 + g + 8 * (ci // 2)
-                    col = n_base + wn * 32 + nt * 8 + 2 * t + (ci % 2)
-                    if row < num_m and col < num_n:
-                        v = acc[(mt * 4 + nt) * 4 + ci]
-                        if has_res:
-                            v += res[row, col]
-                        out[row, col] = v
-
-    return gemm
-
-
 @functools.cache
 def gemm_kernel(qtype: str, tile=(64, 64)):
-    """The compiled kernel for a weight type and a tile (BM, BN), or tile "old"."""
-    return cuda.jit(make_gemm_old(qtype) if tile == "old" else make_gemm(qtype, *tile))
+    """The compiled kernel for a weight type and a tile (BM, BN)."""
+    return cuda.jit(make_gemm(qtype, *tile))
 
 
 @functools.cache
@@ -335,9 +234,8 @@ def pick_tile(num_m: int, num_n: int, sms: int | None = None) -> tuple[int, int]
 
 def gemm(w, x, out, res, num_m: int, stream=0, tile=None) -> None:
     """out[:num_m] = x[:num_m] @ w.T (+ res; may be out itself); w a DeviceWeight.
-    `tile`: (BM, BN) from TILES or "old" to force a kernel; None picks one (pick_tile)."""
-    tile = pick_tile(num_m, w.rows) if tile is None else tile
-    bm, bn = (BM, BN) if tile == "old" else tile
+    `tile`: (BM, BN) from TILES to force a kernel; None picks one (pick_tile)."""
+    bm, bn = tile = pick_tile(num_m, w.rows) if tile is None else tile
     grid = ((w.rows + bn - 1) // bn, (num_m + bm - 1) // bm)
     has_res = res is not None
     gemm_kernel(w.qtype, tile)[grid, THREADS, stream](
@@ -361,4 +259,4 @@ def ptx_cases():
     sig = lambda q: (*plane_types(q), f2, f2, f2, int32, int32, int32, types.boolean)  # noqa: E731
     cases = [(f"gemm_{q}", make_gemm(q), sig(q)) for q in DEVICE_QTYPES]
     cases += [(f"gemm_{q}_{bm}x{bn}", make_gemm(q, bm, bn), sig(q)) for bm, bn in TILES[1:] for q in DEVICE_QTYPES]
-    return cases + [("gemm_old_Q4_1", make_gemm_old("Q4_1"), sig("Q4_1"))]
+    return cases

@@ -1,7 +1,7 @@
 """Device time of single kernels at model shapes, replayed from CUDA graphs (GPU only).
 
     python -m ninfer.gpu.cuda.gemv_tune [--shapes llama3-8b,smollm2-135m] [--json FILE]
-    python -m ninfer.gpu.cuda.gemv_tune --gemm [--tokens 512,4096] [--tiles auto,64x64,32x64,32x32,old]
+    python -m ninfer.gpu.cuda.gemv_tune --gemm [--tokens 512,4096] [--tiles auto,64x64,32x64,32x32]
 
 For each linear of a decode layer (fused QKV, O, gate+up, down) and the LM head: the q8 GEMV
 with one activation row in several shapes (rows per lane group, unroll, L2 prefetch), each
@@ -10,8 +10,7 @@ launch finds its matrix in L2 (GB/s counts the weight planes only). Then RMSNorm
 decode attention at the same model shape. Times are medians of CUDA-event-timed replays.
 
 `--gemm` times the prefill GEMM (gemm.gemm) instead, at the same linears (QKV, O, gate+up,
-down) for each token count, once per tile ("auto" = gemm.pick_tile's choice, "old" = the
-previous kernel), each as a graph of back-to-back launches on one weight (TFLOP/s = 2 M N K /
+down) for each token count, once per tile ("auto" = gemm.pick_tile's choice), each as a graph of back-to-back launches on one weight (TFLOP/s = 2 M N K /
 time; O and down add the residual in place, as the forward pass does).
 """
 
@@ -123,8 +122,8 @@ def tune_small(spec, stream, rng) -> list[dict]:
 
 
 def _tile_arg(text: str):
-    if text in ("auto", "old"):
-        return None if text == "auto" else "old"
+    if text == "auto":
+        return None
     bm, bn = (int(v) for v in text.split("x"))
     return bm, bn
 
@@ -148,7 +147,7 @@ def tune_gemm(name, qtype, rows, cols, tokens, tiles, stream, rng) -> list[dict]
         us = 1e3 * _time_graph(stream, launch, reps=10) / n
         picked = gemm.pick_tile(tokens, rows) if tile is None else tile
         rows_out.append({"linear": name, "qtype": qtype, "tokens": tokens, "rows": rows, "cols": cols,
-                         "tile": text, "kernel": picked if picked == "old" else "x".join(map(str, picked)),
+                         "tile": text, "kernel": "x".join(map(str, picked)),
                          "grid": _grid(picked, tokens, rows), "us": round(us, 2),
                          "TFLOP/s": round(flop / us / 1e6, 2)})  # fmt: skip
         print(json.dumps(rows_out[-1]), flush=True)
@@ -157,7 +156,7 @@ def tune_gemm(name, qtype, rows, cols, tokens, tiles, stream, rng) -> list[dict]
 
 
 def _grid(tile, tokens, rows):
-    bm, bn = (gemm.BM, gemm.BN) if tile == "old" else tile
+    bm, bn = tile
     return [-(-rows // bn), -(-tokens // bm)]
 
 
@@ -183,7 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--gemm", action="store_true", help="time the prefill GEMM instead of the decode kernels")
     p.add_argument("--tokens", default="512,4096", help="--gemm: token counts (M)")
-    p.add_argument("--tiles", default="auto,64x64,32x64,32x32,old", help="--gemm: tiles, auto = gemm.pick_tile")
+    p.add_argument("--tiles", default="auto,64x64,32x64,32x32", help="--gemm: tiles, auto = gemm.pick_tile")
     args = p.parse_args(argv)
     for text in args.tiles.split(","):
         _tile_arg(text)  # a bad tile fails before the GPU work

@@ -38,9 +38,9 @@ if not SIMULATOR:
     _I32 = ir.IntType(32)
     _F32 = ir.FloatType()
 
-    def _asm_call(builder, ret_ir, arg_irs, text, constraints, args):
+    def _asm_call(builder, ret_ir, arg_irs, text, constraints, args, side_effect=False):
         fnty = ir.FunctionType(ret_ir, arg_irs)
-        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=False), args)
+        return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), args)
 
     def _as_i32(context, builder, sig, args):
         return [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args)]
@@ -56,7 +56,9 @@ if not SIMULATOR:
 
         return sig, codegen
 
-    def _make_ld4(elem_type, elem_ir, reg, ptx_type):
+    def _make_ld4(elem_type, elem_ir, reg, ptx_type, space="global.nc", pinned=False):
+        """A 16-byte load; `pinned`: a side-effecting asm that stays where the source puts it."""
+
         @intrinsic
         def ld4(typingctx, arr, row, col):
             """Four consecutive elements arr[row, col:col+4] in one 16-byte load (col % 4 == 0)."""
@@ -70,8 +72,9 @@ if not SIMULATOR:
                 ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
                 addr = builder.ptrtoint(ptr, ir.IntType(64))
                 st = ir.LiteralStructType([elem_ir] * 4)
-                text = f"ld.global.nc.v4.{ptx_type} {{$0,$1,$2,$3}}, [$4];"
-                res = _asm_call(builder, st, [ir.IntType(64)], text, f"={reg},={reg},={reg},={reg},l", [addr])
+                text = f"ld.{space}.v4.{ptx_type} {{$0,$1,$2,$3}}, [$4];"
+                cons = f"={reg},={reg},={reg},={reg},l"
+                res = _asm_call(builder, st, [ir.IntType(64)], text, cons, [addr], side_effect=pinned)
                 return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
 
             return sig, codegen
@@ -80,6 +83,9 @@ if not SIMULATOR:
 
     ld4_u32 = _make_ld4(types.uint32, _I32, "r", "u32")
     ld4_f32 = _make_ld4(types.float32, _F32, "f", "f32")
+    # a coherent load that ptxas keeps on its side of a barrier (the `.nc` one may move across
+    # bar.sync; the GEMM needs its activation loads issued before the barrier and the mma)
+    ld4_f32_pinned = _make_ld4(types.float32, _F32, "f", "f32", space="global", pinned=True)
 
     def _elem_addr(context, builder, signature, args):
         aryty = signature.args[0]
@@ -230,6 +236,8 @@ else:
 
     def ld4_f32(arr, row, col):
         return (float32(arr[row, col]), float32(arr[row, col + 1]), float32(arr[row, col + 2]), float32(arr[row, col + 3]))
+
+    ld4_f32_pinned = ld4_f32
 
     def ld2_f32(arr, row, col):
         return (float32(arr[row, col]), float32(arr[row, col + 1]))
