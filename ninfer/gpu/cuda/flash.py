@@ -3,7 +3,8 @@
 Grid (query tile, head): a tile is up to `attention.TQ` = 64 consecutive tokens of one row;
 each of the 4 warps owns 16 of them as `mma.sync.m16n8k16` A fragments of Q (float16, the
 1 / sqrt(head_dim) scale folded in). Keys and values stream through shared memory 64
-positions at a time, from position 0 to the tile's last query (earlier pages included):
+positions at a time (32, double-buffered, above head_dim 64: `kv_tile`, `make_flash_prefill`),
+from position 0 to the tile's last query (earlier pages included):
 
     S = Q K^T  (16 x 64 per warp; K rows as f16 pairs, padded so fragment loads hit 32 banks)
     online softmax per query row: running max m, running sum l (each lane keeps its share of
@@ -31,21 +32,35 @@ if SIMULATOR:
 else:
     from numba.cuda.libdevice import fast_expf as fexp  # ex2.approx: 2 instructions, ~2 ulp
 
-BKV = 64  # keys per shared-memory tile
 THREADS = 128  # 4 warps x 16 queries = TQ
-VT_WORDS = BKV // 2 + 4  # a transposed V row: 32 key pairs + 4 words of padding
 LO16 = 0xFFFF
 HI16 = 0xFFFF0000
 
 
+def kv_tile(head_dim: int) -> int:
+    """Keys per shared-memory tile: 64, or 32 above head_dim 64 (sm_90 then holds the S and O
+    accumulators without spilling)."""
+    return 64 if head_dim <= 64 else 32
+
+
 def make_flash_prefill(head_dim: int):
+    bkv = kv_tile(head_dim)
+    vt_words = bkv // 2 + 4  # a transposed V row: key pairs + 4 words of padding (conflict-free)
+    kq = head_dim // 2 // (THREADS // bkv)  # K words each lane stages per tile
+    vq = head_dim // 2 // (THREADS // (bkv // 2))  # V words of each of its two keys
     hw = head_dim // 2  # f16 pairs per K / V position
     k_words = hw + 4  # padded K row: rows 8 apart land 4 banks apart
     nkc = head_dim // 16  # 16-wide chunks of head_dim (the k of S = Q K^T)
     ndt = head_dim // 8  # 8-wide tiles of head_dim (the n of O = P V)
-    nst = BKV // 8  # 8-key tiles of S
+    nst = bkv // 8  # 8-key tiles of S
     n_qa, n_o, n_s = 4 * nkc, 4 * ndt, 4 * nst  # register arrays (sizes must be constants)
-    n_ks, n_vt = BKV * k_words, head_dim * VT_WORDS
+    # shared K / V buffers: two above head_dim 64, so one barrier per tile suffices and (what
+    # matters on sm_90) the fragment addresses depend on the tile: NVVM 7 otherwise hoists
+    # each of them out of the key loop into registers of its own and spills at head_dim 128.
+    # head_dim 64 keeps one buffer (the kernel measured on the H200, 250 registers, no spill).
+    nbuf = 2 if head_dim > 64 else 1
+    n_ks, n_vt = bkv * k_words, head_dim * vt_words  # one buffer of each
+    n_ksb, n_vtb = nbuf * n_ks, nbuf * n_vt
 
     def flash_prefill(q, k_cache, v_cache, tables, tile_row, tile_tok0, tile_ntok, row_tok0, row_start, out,
                       scale, group, page_size, num_kv):  # fmt: skip
@@ -63,10 +78,10 @@ def make_flash_prefill(head_dim: int):
         r = tile_row[tile]
         t0 = tile_tok0[tile]
         # flat shared tiles: each lane's fragment loads are its base index plus constants
-        ks = cuda.shared.array(n_ks, uint32)
-        vt = cuda.shared.array(n_vt, uint32)
+        ks = cuda.shared.array(n_ksb, uint32)
+        vt = cuda.shared.array(n_vtb, uint32)
         kb = g * k_words + t
-        vb = g * VT_WORDS + t
+        vb = g * vt_words + t
         first_pos = row_start[r] + (t0 - row_tok0[r])
         last_pos = first_pos + nt - 1
         wq0 = 16 * warp  # this warp's first query in the tile
@@ -95,52 +110,57 @@ def make_flash_prefill(head_dim: int):
         m_b = float32(NEG_BIG)
         l_a = float32(0.0)
         l_b = float32(0.0)
-        for kt in range(last_pos // BKV + 1):
-            k0 = kt * BKV
-            cuda.syncthreads()  # the previous tile's fragments are all read
-            # K: two lanes per key, each half its row in 16-byte loads
-            p = k0 + tid // 2
-            kbase = (tid % 2) * (hw // 2)
+        for kt in range(last_pos // bkv + 1):
+            k0 = kt * bkv
+            if nbuf == 1:
+                cuda.syncthreads()  # the previous tile's fragments are all read
+            # else buffer kt % 2: every warp is past tile kt - 1's barrier, so none still reads
+            # tile kt - 2 from it
+            kbuf = (kt % nbuf) * n_ks
+            vbuf = (kt % nbuf) * n_vt
+            # K: THREADS / bkv lanes per key, each kq words of its row in 16-byte loads
+            p = k0 + tid // (THREADS // bkv)
+            kbase = (tid % (THREADS // bkv)) * kq
             krow = ((tables[r, p // page_size] * page_size + p % page_size) * num_kv + kvh) if p <= last_pos else -1
-            for c in range(0, hw // 2, 4):
+            for c in range(0, kq, 4):
                 w0 = w1 = w2 = w3 = uint32(0)
                 if krow >= 0:
                     w0, w1, w2, w3 = ld4_u32(k_cache, krow, kbase + c)
-                at = (tid // 2) * k_words + kbase + c
+                at = kbuf + (tid // (THREADS // bkv)) * k_words + kbase + c
                 ks[at] = w0
                 ks[at + 1] = w1
                 ks[at + 2] = w2
                 ks[at + 3] = w3
-            # V transposed: four lanes per key pair, each a quarter of both rows
-            jp = tid // 4
-            vbase = (tid % 4) * (hw // 4)
+            # V transposed: THREADS / (bkv / 2) lanes per key pair, each vq words of both rows
+            jp = tid // (THREADS // (bkv // 2))
+            vbase = (tid % (THREADS // (bkv // 2))) * vq
             pa = k0 + 2 * jp
             pb = pa + 1
             rowa = ((tables[r, pa // page_size] * page_size + pa % page_size) * num_kv + kvh) if pa <= last_pos else -1
             rowb = ((tables[r, pb // page_size] * page_size + pb % page_size) * num_kv + kvh) if pb <= last_pos else -1
-            for c in range(0, hw // 4, 4):
+            for c in range(0, vq, 4):
                 a0 = a1 = a2 = a3 = uint32(0)
                 b0 = b1 = b2 = b3 = uint32(0)
                 if rowa >= 0:
                     a0, a1, a2, a3 = ld4_u32(v_cache, rowa, vbase + c)
                 if rowb >= 0:
                     b0, b1, b2, b3 = ld4_u32(v_cache, rowb, vbase + c)
-                at = 2 * (vbase + c) * VT_WORDS + jp  # dims 2w .. 2w + 7 of key pair jp
+                at = vbuf + 2 * (vbase + c) * vt_words + jp  # dims 2w .. 2w + 7 of key pair jp
                 vt[at] = (a0 & uint32(LO16)) | (b0 << uint32(16))
-                vt[at + VT_WORDS] = (a0 >> uint32(16)) | (b0 & uint32(HI16))
-                vt[at + 2 * VT_WORDS] = (a1 & uint32(LO16)) | (b1 << uint32(16))
-                vt[at + 3 * VT_WORDS] = (a1 >> uint32(16)) | (b1 & uint32(HI16))
-                vt[at + 4 * VT_WORDS] = (a2 & uint32(LO16)) | (b2 << uint32(16))
-                vt[at + 5 * VT_WORDS] = (a2 >> uint32(16)) | (b2 & uint32(HI16))
-                vt[at + 6 * VT_WORDS] = (a3 & uint32(LO16)) | (b3 << uint32(16))
-                vt[at + 7 * VT_WORDS] = (a3 >> uint32(16)) | (b3 & uint32(HI16))
+                vt[at + vt_words] = (a0 >> uint32(16)) | (b0 & uint32(HI16))
+                vt[at + 2 * vt_words] = (a1 & uint32(LO16)) | (b1 << uint32(16))
+                vt[at + 3 * vt_words] = (a1 >> uint32(16)) | (b1 & uint32(HI16))
+                vt[at + 4 * vt_words] = (a2 & uint32(LO16)) | (b2 << uint32(16))
+                vt[at + 5 * vt_words] = (a2 >> uint32(16)) | (b2 & uint32(HI16))
+                vt[at + 6 * vt_words] = (a3 & uint32(LO16)) | (b3 << uint32(16))
+                vt[at + 7 * vt_words] = (a3 >> uint32(16)) | (b3 & uint32(HI16))
             cuda.syncthreads()
             if busy and k0 <= warp_last:  # uniform over the warp
                 for n8 in range(nst):
                     c0 = c1 = c2 = c3 = float32(0.0)
                     for kc in range(nkc):
-                        b0 = ks[kb + (8 * n8 * k_words + 8 * kc)]
-                        b1 = ks[kb + (8 * n8 * k_words + 8 * kc + 4)]
+                        b0 = ks[kbuf + kb + (8 * n8 * k_words + 8 * kc)]
+                        b1 = ks[kbuf + kb + (8 * n8 * k_words + 8 * kc + 4)]
                         c0, c1, c2, c3 = mma_m16n8k16(qa[4 * kc], qa[4 * kc + 1], qa[4 * kc + 2], qa[4 * kc + 3],
                                                       b0, b1, c0, c1, c2, c3)  # fmt: skip
                     kp = k0 + 8 * n8 + 2 * t
@@ -166,7 +186,7 @@ def make_flash_prefill(head_dim: int):
                     o[4 * dt + 1] *= corr_a
                     o[4 * dt + 2] *= corr_b
                     o[4 * dt + 3] *= corr_b
-                for kc in range(BKV // 16):  # 16 keys: S tiles 2kc and 2kc + 1 are P's A fragment
+                for kc in range(bkv // 16):  # 16 keys: S tiles 2kc and 2kc + 1 are P's A fragment
                     pa0 = fexp(s[8 * kc] - m_a)
                     pa1 = fexp(s[8 * kc + 1] - m_a)
                     pb0 = fexp(s[8 * kc + 2] - m_b)
@@ -182,8 +202,8 @@ def make_flash_prefill(head_dim: int):
                     a2 = pack_half2(pa2, pa3)
                     a3 = pack_half2(pb2, pb3)
                     for dt in range(ndt):
-                        b0 = vt[vb + (8 * dt * VT_WORDS + 8 * kc)]
-                        b1 = vt[vb + (8 * dt * VT_WORDS + 8 * kc + 4)]
+                        b0 = vt[vbuf + vb + (8 * dt * vt_words + 8 * kc)]
+                        b1 = vt[vbuf + vb + (8 * dt * vt_words + 8 * kc + 4)]
                         i = 4 * dt
                         o[i], o[i + 1], o[i + 2], o[i + 3] = mma_m16n8k16(a0, a1, a2, a3, b0, b1,
                                                                           o[i], o[i + 1], o[i + 2], o[i + 3])  # fmt: skip
