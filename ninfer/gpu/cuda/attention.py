@@ -27,15 +27,7 @@ import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
-from ninfer.gpu.cuda.intrinsics import FULL_MASK, SIMULATOR, device, group_max, group_sum, warp_sum
-
-if SIMULATOR:
-    from ninfer.gpu.cuda.intrinsics import _warp_values
-else:
-    from llvmlite import ir as llvm_ir
-    from numba.core.extending import intrinsic
-
-    from ninfer.gpu.cuda.intrinsics import _asm_call, _elem_addr
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_max, group_sum, ld8, shfl_xor, warp_sum
 
 DECODE_THREADS = 128
 NEG_BIG = -1.0e30  # running-max seed: exp(NEG_BIG - finite) == 0 without inf - inf
@@ -244,49 +236,6 @@ def use_one_launch(head_dim: int, num_kv_heads: int, num_rows: int, context: int
         return False
     chunks = -(-context // one_launch_chunk(head_dim))
     return chunks <= ONE_SHORT_CHUNKS or (num_rows * num_kv_heads >= ONE_FULL_BLOCKS and chunks <= ONE_MAX_CHUNKS)
-
-
-if SIMULATOR:
-
-    def ld8(arr, i0, i1, i2, i3):
-        return tuple(float32(arr[i0, i1, i2, i3 + k]) for k in range(8))
-
-    def shfl_xor(v, off):
-        vals, lane = _warp_values(v)
-        return vals[lane ^ off]
-
-else:
-
-    @intrinsic
-    def ld8(typingctx, arr, i0, i1, i2, i3):
-        """arr[i0, i1, i2, i3 : i3 + 8] as eight float32 (a float16 or float32 array; the first
-        element 16-byte aligned): one 16-byte load (float16) or two (float32), read-only path."""
-        if not isinstance(arr, types.Array) or arr.dtype not in (types.float16, types.float32):
-            return None
-        ret = types.UniTuple(types.float32, 8)
-        sig = ret(arr, i0, i1, i2, i3)
-        if arr.dtype == types.float16:
-            text = (
-                "{ .reg .b32 t0, t1, t2, t3; .reg .b16 h0, h1, h2, h3, h4, h5, h6, h7; "
-                "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [$8]; "
-                "mov.b32 {h0, h1}, t0; mov.b32 {h2, h3}, t1; mov.b32 {h4, h5}, t2; mov.b32 {h6, h7}, t3; "
-                + " ".join(f"cvt.f32.f16 ${k}, h{k};" for k in range(8))
-                + " }"
-            )
-        else:
-            text = "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.f32 {$4, $5, $6, $7}, [$8+16];"
-
-        def codegen(context, builder, signature, args):
-            addr = _elem_addr(context, builder, signature, args)
-            st = llvm_ir.LiteralStructType([llvm_ir.FloatType()] * 8)
-            res = _asm_call(builder, st, [llvm_ir.IntType(64)], text, "=f," * 8 + "l", [addr])
-            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(8)])
-
-        return sig, codegen
-
-    @cuda.jit(device=True, inline=True)
-    def shfl_xor(v, off):
-        return cuda.shfl_xor_sync(FULL_MASK, v, off)
 
 
 def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_WARPS, ch: int = ONE_CHUNK):

@@ -1,9 +1,10 @@
 """PTX instructions numba does not wrap, and warp reductions, each with a simulator twin.
 
-GPU builds reach `dp4a`, 16-, 8- and 4-byte vector loads, bit casts, f16x2 packing and `mma.sync` through
-`@intrinsic`s whose codegen emits llvmlite `InlineAsm`. numba's CUDA simulator runs kernels
-as Python and has no warp shuffles, so under `NUMBA_ENABLE_CUDASIM=1` every name here is a
-plain-Python (or shared-memory) version with the same result. Rules for callers:
+GPU builds reach `dp4a`, 16-, 8- and 4-byte vector loads (`ld8`: eight f16 / f32 as float32),
+bit casts, f16x2 packing and `mma.sync` through `@intrinsic`s whose codegen emits llvmlite
+`InlineAsm`. numba's CUDA simulator runs kernels as Python and has no warp shuffles, so under
+`NUMBA_ENABLE_CUDASIM=1` every name here is a plain-Python (or shared-memory) version with the
+same result. Rules for callers:
 
 * call the warp / group reductions from uniform control flow with the whole block active
   (the simulator twins use `syncthreads`, the GPU versions full-warp shuffles);
@@ -182,6 +183,38 @@ if not SIMULATOR:
 
     mma_m16n8k16 = _mma
 
+    @intrinsic
+    def ld8(typingctx, arr, i0, i1, i2, i3):
+        """arr[i0, i1, i2, i3 : i3 + 8] as eight float32 (a float16 or float32 array; the first
+        element 16-byte aligned): one 16-byte load (float16) or two (float32), read-only path."""
+        if not isinstance(arr, types.Array) or arr.dtype not in (types.float16, types.float32):
+            return None
+        ret = types.UniTuple(types.float32, 8)
+        sig = ret(arr, i0, i1, i2, i3)
+        if arr.dtype == types.float16:
+            text = (
+                "{ .reg .b32 t0, t1, t2, t3; .reg .b16 h0, h1, h2, h3, h4, h5, h6, h7; "
+                "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [$8]; "
+                "mov.b32 {h0, h1}, t0; mov.b32 {h2, h3}, t1; mov.b32 {h4, h5}, t2; mov.b32 {h6, h7}, t3; "
+                + " ".join(f"cvt.f32.f16 ${k}, h{k};" for k in range(8))
+                + " }"
+            )
+        else:
+            text = "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.f32 {$4, $5, $6, $7}, [$8+16];"
+
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature, args)
+            st = ir.LiteralStructType([ir.FloatType()] * 8)
+            res = _asm_call(builder, st, [ir.IntType(64)], text, "=f," * 8 + "l", [addr])
+            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(8)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(v, off):
+        """v of lane ^ off (the whole warp takes part)."""
+        return cuda.shfl_xor_sync(FULL_MASK, v, off)
+
     @cuda.jit(device=True, inline=True)
     def group_sum(v, width):
         """Sum of v over each aligned group of `width` lanes (width a power of two <= 32)."""
@@ -326,6 +359,13 @@ else:
     def warp_sum_u64(v):
         vals, _ = _warp_values(v)
         return uint64(sum(int(x) for x in vals if x is not None))
+
+    def ld8(arr, i0, i1, i2, i3):
+        return tuple(float32(arr[i0, i1, i2, i3 + k]) for k in range(8))
+
+    def shfl_xor(v, off):
+        vals, lane = _warp_values(v)
+        return vals[lane ^ off]
 
 
 @device
