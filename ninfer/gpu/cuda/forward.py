@@ -7,10 +7,10 @@ Per layer (activations `act` = int8 blocks for the dp4a GEMV, or float32):
     rmsnorm(x) -> act ; QKV linear ; bias / q-k norm / RoPE / K-V write ; attention -> act
     x += O linear ; rmsnorm(x) -> act ; gate+up linear ; SwiGLU -> act ; x += down linear
 
-then the final norm of each sampled row's last token, the LM head and the sampler. With
-FUSE_SMALL, one-token steps of small q8 models (gemv.FUSE_MAX_BYTES) fold each RMSNorm into the
-QKV / gate+up GEMV and SwiGLU into the down GEMV (gemv.gemv_fused): 7 kernels per layer instead
-of 10, but each lane then requantizes its blocks in a long serial chain; off by default.
+then the final norm of each sampled row's last token, the LM head and the sampler. One-token
+q8 steps fold each RMSNorm into the QKV / gate+up GEMV after it and SwiGLU into the down GEMV
+(gemv.gemv_fused: each block builds its int8 input in shared memory while its first weights
+load), where the matrices are small enough (gemv.fusable): three kernels fewer per layer.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class StepPlan:
         return "q8" if self.num_tokens <= gemv.MAX_M else "f32"
 
 
-FUSE_SMALL = False  # gemv_fused for one-token steps; its one run (with another change) was slower, 1.61 vs 1.21 ms
+FUSE_ONE_ROW = True  # gemv_fused for one-token q8 steps (False: the separate kernels, for A/B timing)
+FOLDS = ("attn_norm", "ffn_norm", "swiglu")  # RMSNorm -> QKV, RMSNorm -> gate+up, SwiGLU -> down
 
 
 class Forward:
@@ -52,12 +53,12 @@ class Forward:
         self.head_q8 = q8 and model.head.qtype not in gemv.FLOAT_QTYPES
         self.split_len = split_len
         self.sampler_threads = sampler_threads
-        # one-token steps of small q8 models may fold RMSNorm and SwiGLU into the GEMVs after
-        # them; off unless FUSE_SMALL (measured slower on the H200, docs/performance.md)
-        self.can_fuse = self.q8 and all(
-            gemv.fusable(w) for layer in model.layers for w in (*layer.wqkv, *layer.w_gate_up, layer.w_down)
+        # the folds one-token q8 steps may take: every layer's matrices must fit gemv_fused
+        mats = {"attn_norm": lambda l: l.wqkv, "ffn_norm": lambda l: l.w_gate_up, "swiglu": lambda l: (l.w_down,)}
+        self.can_fold = frozenset(
+            f for f in FOLDS if self.q8 and all(gemv.fusable(w) for layer in model.layers for w in mats[f](layer))
         )
-        self.fuse = self.can_fuse and FUSE_SMALL
+        self.folds = self.can_fold if FUSE_ONE_ROW else frozenset()
         # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
@@ -70,10 +71,10 @@ class Forward:
         act = "q8" if (self.q8 and plan.act == "q8") else "f32"
         t = plan.num_tokens
         embed.embed(self.model.embed, b.tokens, b.x, t, stream)
-        fuse = self.fuse and act == "q8" and t == 1
+        folds = self.folds if (act == "q8" and t == 1) else frozenset()
         for i, layer in enumerate(self.model.layers):
             attn_norm, ffn_norm = self._norms2d[i]
-            if fuse:
+            if "attn_norm" in folds:
                 self._fused(layer.wqkv, b.x, attn_norm, b.qkv, None, "norm", stream)
             else:
                 self._norm(layer.attn_norm, t, act, stream)
@@ -81,15 +82,17 @@ class Forward:
             self._qkv_post(i, layer, t, stream)
             self._attention(i, plan, act, stream)
             self._linear((layer.wo,), t, act, b.x, b.x, stream)
-            if fuse:
+            if "ffn_norm" in folds:
                 self._fused(layer.w_gate_up, b.x, ffn_norm, b.gate_up, None, "norm", stream)
+            else:
+                self._norm(layer.ffn_norm, t, act, stream)
+                self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
+            if "swiglu" in folds:
                 self._fused((layer.w_down,), b.gate_up, b.dummy_f32, b.x, b.x, "swiglu", stream)
-                continue
-            self._norm(layer.ffn_norm, t, act, stream)
-            self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
-            out = b.xq8 if act == "q8" else b.h
-            swiglu.swiglu(b.gate_up, out, b.xs, t, act, stream)
-            self._linear((layer.w_down,), t, act, b.x, b.x, stream)
+            else:
+                out = b.xq8 if act == "q8" else b.h
+                swiglu.swiglu(b.gate_up, out, b.xs, t, act, stream)
+                self._linear((layer.w_down,), t, act, b.x, b.x, stream)
         self._head(plan, stream)
 
     # -- pieces ------------------------------------------------------------------------------

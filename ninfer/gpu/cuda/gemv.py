@@ -17,11 +17,13 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, int64, types, uint32
+from numba import cuda, float32, int32, types, uint32
 
 from ninfer.gpu.cuda.act_quant import dequantize_q8_ref
 from ninfer.gpu.cuda.dequant import DQ_WORD
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2
+from ninfer.gpu.cuda.intrinsics import (
+    SIMULATOR, block_sum, device, group_max, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2,
+)
 from ninfer.gpu.cuda.swiglu import silu_mul
 from ninfer.gpu.cuda.qdot import QDOT, WDOT, WLOAD, WCOMP, WORDS, act_block
 
@@ -185,42 +187,86 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
     return gemv_split
 
 
-# -- one activation row with its producer folded in (small models) ---------------------------
+# -- one activation row with its producer folded in -------------------------------------------
 #
-# A decode step of a small model is latency-bound: every kernel costs a few microseconds of
-# launch-to-launch time however little it reads. `gemv_fused` folds the kernel that produces
-# the GEMV's int8 input into the GEMV itself: each lane builds the activation blocks it needs
-# straight from the float source, so RMSNorm + quantization (prologue "norm": y = x * r * w,
-# r = 1 / sqrt(mean(x^2) + eps), each warp summing the row itself) or SwiGLU + quantization
-# ("swiglu": y = silu(g) * u from the fused gate/up output) costs no launch of its own. Every
-# lane group requantizes the blocks it reads (row x from L1), which pays off only while the
-# matrices are small (FUSE_MAX_BYTES); the arithmetic is that of norm.py / swiglu.py.
+# A one-token decode step is latency-bound: every kernel costs a few microseconds of launch-
+# to-launch time however little it reads, and a GEMV cannot start loading weights until the
+# kernel that produced its input has finished. `gemv_fused` folds that producer into the GEMV:
+# RMSNorm + int8 quantization (prologue "norm": y = x * r * w, r = 1 / sqrt(mean(x^2) + eps))
+# or SwiGLU + quantization ("swiglu": y = silu(g) * u from the fused gate/up output). Each
+# block first issues its first weight loads, then all its threads build the int8 activation
+# row together in shared memory (four columns a thread, one block reduction for the norm, a
+# 32-column quantization block per 8 aligned lanes: norm.py's arithmetic), so the prologue's
+# L2 round trips overlap the weights' DRAM latency; then the GEMV reads its activation blocks
+# from shared memory. Every block rebuilds the row: 8 bytes of L2 reads per source column (x
+# and the norm weight, or gate and up) against 16 weight rows x 0.625 bytes (Q4_1) per column,
+# so the fold pays where launches bound the GEMV, not bytes: matrices up to FUSE_MAX_BYTES.
 
-FUSE_MAX_BYTES = 4 << 20
-
-
-@device
-def _quantize_block(vals, A, X, u):
-    """32 floats -> activation slot u: eight int8x4 words, dx, dx * sum(q) (act_quant.py)."""
-    amax = float32(0.0)
-    for k in range(32):
-        amax = max(amax, abs(vals[k]))
-    d = amax / float32(127.0)
-    inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
-    qsum = int32(0)
-    for j in range(8):
-        word = int64(0)
-        for t in range(4):
-            q = int32(math.floor(vals[4 * j + t] * inv + float32(0.5)))
-            q = min(max(q, -127), 127)
-            qsum += q
-            word |= int64(q & 0xFF) << int64(8 * t)
-        A[8 * u + j] = uint32(word)
-    X[2 * u] = d
-    X[2 * u + 1] = d * float32(qsum)
+FUSE_MAX_COLS = 4096  # widest source row a block rebuilds (its int8 copy lives in shared memory)
+FUSE_MAX_BYTES = 4 << 20  # larger matrices are bandwidth-bound: the re-reads would cost more
 
 
-def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str):
+def _make_prologue(prologue: str, cols: int, threads: int):
+    """Device function: the block's threads write q8(prologue(src row 0)) to shared memory
+    (A_sh: cols / 4 int8x4 words, X_sh: dx, dx * sum(q) per 32-column block), then sync."""
+    quads = cols // 4
+    chunks = -(-quads // threads)
+    n_vals = 4 * chunks
+    norm = prologue == "norm"
+
+    @device
+    def build(src, nwt, eps, A_sh, X_sh, scratch):
+        tid = cuda.threadIdx.x
+        vals = cuda.local.array(n_vals, float32)
+        ss = float32(0.0)
+        for c in range(chunks):
+            qd = tid + threads * c
+            col = 4 * min(qd, quads - 1)  # past the row: a repeated quad, never stored
+            if norm:
+                v0, v1, v2, v3 = ld4_f32(src, 0, col)
+                if qd < quads:
+                    ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+            else:
+                g0, g1, g2, g3 = ld4_f32(src, 0, col)
+                u0, u1, u2, u3 = ld4_f32(src, 0, cols + col)
+                v0, v1, v2, v3 = silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3)
+            vals[4 * c], vals[4 * c + 1], vals[4 * c + 2], vals[4 * c + 3] = v0, v1, v2, v3
+        if norm:
+            r = float32(1.0) / math.sqrt(block_sum(ss, scratch) / float32(cols) + eps)
+            for c in range(chunks):
+                w0, w1, w2, w3 = ld4_f32(nwt, 0, 4 * min(tid + threads * c, quads - 1))
+                vals[4 * c] = vals[4 * c] * r * w0
+                vals[4 * c + 1] = vals[4 * c + 1] * r * w1
+                vals[4 * c + 2] = vals[4 * c + 2] * r * w2
+                vals[4 * c + 3] = vals[4 * c + 3] * r * w3
+        for c in range(chunks):
+            qd = tid + threads * c  # a 32-column block is 8 aligned threads: all in or all out
+            amax = float32(0.0)
+            for k in range(4):
+                amax = max(amax, abs(vals[4 * c + k]))
+            amax = group_max(amax, 8)  # every thread takes part in the shuffles
+            d = amax / float32(127.0)
+            inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
+            word = uint32(0)
+            qsum = int32(0)
+            for k in range(4):
+                q = int32(math.floor(vals[4 * c + k] * inv + float32(0.5)))
+                q = min(max(q, -127), 127)
+                qsum += q
+                word |= uint32(q & 0xFF) << uint32(8 * k)
+            total = group_sum(float32(qsum), 8)
+            if qd < quads:
+                A_sh[qd] = word
+                if tid % 8 == 0:
+                    X_sh[2 * (qd // 8)] = d
+                    X_sh[2 * (qd // 8) + 1] = d * total
+        cuda.syncthreads()
+
+    return build
+
+
+def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str, cols: int, threads: int = THREADS):
+    """`gemv_split` over one activation row built by the block itself (`_make_prologue`)."""
     wload, wcomp = WLOAD[qtype], WCOMP[qtype]
     rows_per_warp = (32 // lanes) * R
     U = unroll
@@ -228,61 +274,50 @@ def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str)
     ns = 2 * U * R
     na = 8 * U
     nx = 2 * U
-    norm = prologue == "norm"
+    nb = cols // 32
+    n_words = cols // 4  # shared-array sizes must be closure constants
+    n_scales = 2 * nb
+    build = _make_prologue(prologue, cols, threads)
 
-    def gemv_fused(qs, d16, aux, sc8, src, nwt, out, res, num_rows, num_blocks, eps, has_res):
+    def gemv_fused(qs, d16, aux, sc8, src, nwt, out, res, num_rows, eps, has_res):
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
         row0 = warp * rows_per_warp + (lane // lanes) * R
         sub = lane % lanes
-        cols = 32 * num_blocks
-        r_norm = float32(1.0)
-        if norm:
-            ss = float32(0.0)
-            for c in range(lane, cols, 32):
-                v = src[0, c]
-                ss += v * v
-            ss = group_sum(ss, 32)  # the whole warp, before any branch
-            r_norm = float32(1.0) / math.sqrt(ss / float32(cols) + eps)
+        last = nb - 1
+        last_row = num_rows - 1
+        A_sh = cuda.shared.array(n_words, uint32)
+        X_sh = cuda.shared.array(n_scales, float32)
+        scratch = cuda.shared.array(33, float32)
         acc = cuda.local.array(R, float32)
         W = cuda.local.array(nw, uint32)
         S = cuda.local.array(ns, float32)
         A = cuda.local.array(na, uint32)
         X = cuda.local.array(nx, float32)
-        vals = cuda.local.array(32, float32)
         for r in range(R):
             acc[r] = float32(0.0)
-        if row0 < num_rows:
-            last = num_blocks - 1
-            last_row = num_rows - 1
-            for blk0 in range(sub, num_blocks, lanes * U):
+        # the first iteration's weights are on their way while the block builds its input
+        for u in range(U):
+            bb = min(sub + u * lanes, last)
+            for r in range(R):
+                wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
+        build(src, nwt, eps, A_sh, X_sh, scratch)
+        for blk0 in range(sub, nb, lanes * U):
+            if blk0 != sub:
                 for u in range(U):
                     bb = min(blk0 + u * lanes, last)
                     for r in range(R):
                         wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
-                for u in range(U):
-                    bb = min(blk0 + u * lanes, last)
-                    for j in range(8):
-                        c = 32 * bb + 4 * j
-                        if norm:
-                            x0, x1, x2, x3 = ld4_f32(src, 0, c)
-                            w0, w1, w2, w3 = ld4_f32(nwt, 0, c)
-                            vals[4 * j] = x0 * r_norm * w0
-                            vals[4 * j + 1] = x1 * r_norm * w1
-                            vals[4 * j + 2] = x2 * r_norm * w2
-                            vals[4 * j + 3] = x3 * r_norm * w3
-                        else:
-                            g0, g1, g2, g3 = ld4_f32(src, 0, c)
-                            u0, u1, u2, u3 = ld4_f32(src, 0, cols + c)
-                            vals[4 * j] = silu_mul(g0, u0)
-                            vals[4 * j + 1] = silu_mul(g1, u1)
-                            vals[4 * j + 2] = silu_mul(g2, u2)
-                            vals[4 * j + 3] = silu_mul(g3, u3)
-                    _quantize_block(vals, A, X, u)
-                for u in range(U):
-                    f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
-                    for r in range(R):
-                        acc[r] += f * wcomp(W, S, u * R + r, A, X, u)
+            for u in range(U):
+                bb = min(blk0 + u * lanes, last)
+                for j in range(8):
+                    A[8 * u + j] = A_sh[8 * bb + j]
+                X[2 * u] = X_sh[2 * bb]
+                X[2 * u + 1] = X_sh[2 * bb + 1]
+            for u in range(U):
+                f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
+                for r in range(R):
+                    acc[r] += f * wcomp(W, S, u * R + r, A, X, u)
         for r in range(R):
             row = row0 + r
             v = group_sum(acc[r], lanes)  # every thread takes part in the shuffles
@@ -295,28 +330,31 @@ def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str)
 
 
 @functools.cache
-def gemv_fused_kernel(qtype: str, prologue: str, lanes: int, rows_per_group: int = 2, unroll: int = 2):
-    return cuda.jit(_make_gemv_fused(qtype, lanes, rows_per_group, unroll, prologue))
+def gemv_fused_kernel(qtype: str, prologue: str, lanes: int, cols: int, rows_per_group: int, unroll: int):
+    return cuda.jit(_make_gemv_fused(qtype, lanes, rows_per_group, unroll, prologue, cols))
 
 
 def fusable(w) -> bool:
-    """Whether `gemv_fused` takes this matrix (its types, and small enough to pay off)."""
-    return w.qtype in WLOAD and w.nbytes <= FUSE_MAX_BYTES
+    """Whether `gemv_fused` takes this matrix: its types, a source row it can rebuild, and
+    small enough that launches, not bytes, bound it."""
+    return w.qtype in WLOAD and w.cols <= FUSE_MAX_COLS and w.nbytes <= FUSE_MAX_BYTES
 
 
-def gemv_fused(w, src, norm_w, eps, out, res, prologue: str, stream=0, lanes: int | None = None) -> None:
+def gemv_fused(w, src, norm_w, eps, out, res, prologue: str, stream=0, lanes: int | None = None,
+               shape: tuple[int, int] | None = None) -> None:  # fmt: skip
     """out[0] = q8(prologue(src)) @ w.T (+ res[0]) for one activation row.
 
     prologue 'norm': src is x [>= 1, cols] and norm_w the RMSNorm weight as [1, cols];
-    'swiglu': src is the gate/up output [>= 1, 2 cols] (norm_w any [1, >= 1] float array)."""
+    'swiglu': src is the gate/up output [>= 1, 2 cols] (norm_w any [1, >= 1] float array).
+    `shape` = (rows per lane group, unroll) overrides ONE_ROW_SHAPE (tests, tuning)."""
     lanes = lanes or lanes_for(w.num_blocks)
-    rpg = 2
+    rpg, unroll = shape or ONE_ROW_SHAPE
     rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
     grid = (1, (w.rows + rows_per_block - 1) // rows_per_block)
-    kernel = gemv_fused_kernel(w.qtype, prologue, lanes, rpg, 2)
+    kernel = gemv_fused_kernel(w.qtype, prologue, lanes, w.cols, rpg, unroll)
     has_res = res is not None
-    kernel[grid, THREADS, stream](*w.planes, src, norm_w, out, res if has_res else out, w.rows, w.num_blocks,
-                                  np.float32(eps), has_res)  # fmt: skip
+    kernel[grid, THREADS, stream](*w.planes, src, norm_w, out, res if has_res else out, w.rows, np.float32(eps),
+                                  has_res)  # fmt: skip
 
 
 def gemv_fused_ref(w_f32, src, norm_w, eps, res, prologue: str):
@@ -429,8 +467,8 @@ def ptx_cases():
                 cases.append((f"gemv_q8_{qtype}_l32_m1_u8_pf", make_gemv(qtype, mode, 32, 1, 1, 8, True), sig))
     f2 = types.float32[:, ::1]
     for qtype in WLOAD:
-        sig = (*plane_types(qtype), f2, f2, f2, f2, int32, int32, types.float32, types.boolean)
-        for prologue in ("norm", "swiglu"):
-            for lanes in (16, 32):
-                cases.append((f"gemv_fused_{prologue}_{qtype}_l{lanes}", _make_gemv_fused(qtype, lanes, 2, 2, prologue), sig))
+        sig = (*plane_types(qtype), f2, f2, f2, f2, int32, types.float32, types.boolean)
+        for prologue, lanes, cols in (("norm", 16, 576), ("swiglu", 32, 1536), ("norm", 32, 4096), ("swiglu", 32, 4096)):
+            name = f"gemv_fused_{prologue}_{qtype}_l{lanes}_c{cols}"
+            cases.append((name, _make_gemv_fused(qtype, lanes, *ONE_ROW_SHAPE, prologue, cols), sig))
     return cases

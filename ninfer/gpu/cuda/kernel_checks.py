@@ -18,7 +18,9 @@ import traceback
 import numpy as np
 from numba import cuda
 
-from ninfer.gpu.cuda import act_quant, attention, dequant, embed, flash, gemm, gemv, norm, pages, rope, sampler, swiglu
+from ninfer.gpu.cuda import (
+    act_quant, attention, dequant, embed, flash, forward, gemm, gemv, norm, pages, rope, sampler, swiglu,
+)
 from ninfer.gpu.cuda.device_weights import host_weight, upload_weight
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.quant_layout import DEVICE_QTYPES, pack_tensor, random_stored
@@ -115,21 +117,25 @@ def check_gemv_q8(scale, rng):
 
 def check_gemv_fused(scale, rng):
     """RMSNorm / SwiGLU + int8 quantization folded into the one-row GEMV, against the separate
-    kernels' references chained (an int8 code may differ by one where r's last bit differs)."""
+    kernels' references chained (an int8 code may differ by one where r's last bit differs).
+    Real widths: SmolLM2's 576 / 1536 and the 8B's 4096 (several quads a thread, several
+    GEMV iterations after the prologue)."""
     tiny = scale == "tiny"
     for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
-        for prologue in ("norm", "swiglu"):
-            cols = 64 if tiny else (576, 1536)[i % 2]
+        for j, prologue in enumerate(("norm", "swiglu")):
+            cols = (64, 320)[j] if tiny else (576, 1536, 4096)[(i + j) % 3]
             rows = 5 if tiny else 961
             t = random_stored(q, rows, cols, rng)
             w = _weight(pack_tensor(t))
             width = cols if prologue == "norm" else 2 * cols
             src = (rng.standard_normal((2, width)) * 3).astype(np.float32)
             nw = (1 + 0.1 * rng.standard_normal((1, cols))).astype(np.float32)
-            res = rng.standard_normal((1, rows)).astype(np.float32)
+            # as in forward.py: the residual add on the down projection only
+            res = rng.standard_normal((1, rows)).astype(np.float32) if prologue == "swiglu" else None
             out = _poisoned((1, rows))
-            lanes = (8, 16, 32)[i] if tiny else None
-            gemv.gemv_fused(w, _dev(src), _dev(nw), 1e-5, out, _dev(res), prologue, lanes=lanes)
+            lanes = (8, 16, 32)[i] if tiny and j == 0 else None  # tiny swiglu: 2 lanes, 2 iterations
+            gemv.gemv_fused(w, _dev(src), _dev(nw), 1e-5, out, None if res is None else _dev(res), prologue,
+                            lanes=lanes)  # fmt: skip
             want = gemv.gemv_fused_ref(t.dequantize(), src, nw, 1e-5, res, prologue)
             _close(out.copy_to_host(), want, 2e-3, f"gemv_fused {prologue} {q}")
 
@@ -583,9 +589,8 @@ def check_runner(scale, rng):
         if acts == "q8":  # one stream: RMSNorm / SwiGLU folded into the GEMVs (gemv_fused)
             one = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
                              split_len=8)  # fmt: skip
-            if not one.forward.can_fuse:
-                raise AssertionError("the tiny q8 model should take the fused one-row GEMVs")
-            one.forward.fuse = True  # the opt-in path (forward.FUSE_SMALL)
+            if one.forward.folds != frozenset(forward.FOLDS):
+                raise AssertionError(f"the tiny q8 model should take every fold, takes {sorted(one.forward.folds)}")
             _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             one.close()
 
