@@ -200,66 +200,71 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
 # L2 round trips overlap the weights' DRAM latency; then the GEMV reads its activation blocks
 # from shared memory. Every block rebuilds the row: 8 bytes of L2 reads per source column (x
 # and the norm weight, or gate and up) against 16 weight rows x 0.625 bytes (Q4_1) per column,
-# so the fold pays where launches bound the GEMV, not bytes: matrices up to FUSE_MAX_BYTES.
+# so the fold pays where launches bound the GEMV, not bytes: matrices up to FUSE_MAX_BYTES
+# (on the 8B shape, where every matrix is larger, folding all three anyway measured 228 tok/s
+# against 366 for one stream: the re-reads cost more than the launches saved).
 
-FUSE_MAX_COLS = 4096  # widest source row a block rebuilds (its int8 copy lives in shared memory)
+FUSE_MAX_COLS = 16384  # widest source row a block rebuilds (its int8 copy: 1.25 bytes a column of shared memory)
 FUSE_MAX_BYTES = 4 << 20  # larger matrices are bandwidth-bound: the re-reads would cost more
+
+
+@device
+def _quantize_quad(v0, v1, v2, v3, qd, valid, A_sh, X_sh):
+    """Four columns 4 qd .. + 3 -> int8x4 word A_sh[qd]; the 8 aligned threads holding one
+    32-column block share its scale (3-step shuffles; every thread takes part)."""
+    amax = group_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), 8)
+    d = amax / float32(127.0)
+    inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
+    word = uint32(0)
+    qsum = int32(0)
+    for k in range(4):
+        v = v0 if k == 0 else v1 if k == 1 else v2 if k == 2 else v3
+        q = int32(math.floor(v * inv + float32(0.5)))
+        q = min(max(q, -127), 127)
+        qsum += q
+        word |= uint32(q & 0xFF) << uint32(8 * k)
+    total = group_sum(float32(qsum), 8)
+    if valid:
+        A_sh[qd] = word
+        if cuda.threadIdx.x % 8 == 0:
+            X_sh[2 * (qd // 8)] = d
+            X_sh[2 * (qd // 8) + 1] = d * total
 
 
 def _make_prologue(prologue: str, cols: int, threads: int):
     """Device function: the block's threads write q8(prologue(src row 0)) to shared memory
-    (A_sh: cols / 4 int8x4 words, X_sh: dx, dx * sum(q) per 32-column block), then sync."""
+    (A_sh: cols / 4 int8x4 words, X_sh: dx, dx * sum(q) per 32-column block), then sync.
+    Thread t takes quads t, t + threads, ...; a 32-column block is 8 aligned threads, all in
+    or all out. Nothing is held across quads (the norm reads x twice, the second time from
+    L1), so registers do not grow with the width."""
     quads = cols // 4
     chunks = -(-quads // threads)
-    n_vals = 4 * chunks
     norm = prologue == "norm"
 
     @device
     def build(src, nwt, eps, A_sh, X_sh, scratch):
         tid = cuda.threadIdx.x
-        vals = cuda.local.array(n_vals, float32)
-        ss = float32(0.0)
+        r = float32(1.0)
+        if norm:
+            ss = float32(0.0)
+            for c in range(chunks):
+                qd = tid + threads * c
+                if qd < quads:
+                    v0, v1, v2, v3 = ld4_f32(src, 0, 4 * qd)
+                    ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+            r = float32(1.0) / math.sqrt(block_sum(ss, scratch) / float32(cols) + eps)
         for c in range(chunks):
             qd = tid + threads * c
             col = 4 * min(qd, quads - 1)  # past the row: a repeated quad, never stored
             if norm:
-                v0, v1, v2, v3 = ld4_f32(src, 0, col)
-                if qd < quads:
-                    ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+                x0, x1, x2, x3 = ld4_f32(src, 0, col)
+                w0, w1, w2, w3 = ld4_f32(nwt, 0, col)
+                v0, v1, v2, v3 = x0 * r * w0, x1 * r * w1, x2 * r * w2, x3 * r * w3
             else:
                 g0, g1, g2, g3 = ld4_f32(src, 0, col)
                 u0, u1, u2, u3 = ld4_f32(src, 0, cols + col)
                 v0, v1, v2, v3 = silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3)
-            vals[4 * c], vals[4 * c + 1], vals[4 * c + 2], vals[4 * c + 3] = v0, v1, v2, v3
-        if norm:
-            r = float32(1.0) / math.sqrt(block_sum(ss, scratch) / float32(cols) + eps)
-            for c in range(chunks):
-                w0, w1, w2, w3 = ld4_f32(nwt, 0, 4 * min(tid + threads * c, quads - 1))
-                vals[4 * c] = vals[4 * c] * r * w0
-                vals[4 * c + 1] = vals[4 * c + 1] * r * w1
-                vals[4 * c + 2] = vals[4 * c + 2] * r * w2
-                vals[4 * c + 3] = vals[4 * c + 3] * r * w3
-        for c in range(chunks):
-            qd = tid + threads * c  # a 32-column block is 8 aligned threads: all in or all out
-            amax = float32(0.0)
-            for k in range(4):
-                amax = max(amax, abs(vals[4 * c + k]))
-            amax = group_max(amax, 8)  # every thread takes part in the shuffles
-            d = amax / float32(127.0)
-            inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
-            word = uint32(0)
-            qsum = int32(0)
-            for k in range(4):
-                q = int32(math.floor(vals[4 * c + k] * inv + float32(0.5)))
-                q = min(max(q, -127), 127)
-                qsum += q
-                word |= uint32(q & 0xFF) << uint32(8 * k)
-            total = group_sum(float32(qsum), 8)
-            if qd < quads:
-                A_sh[qd] = word
-                if tid % 8 == 0:
-                    X_sh[2 * (qd // 8)] = d
-                    X_sh[2 * (qd // 8) + 1] = d * total
+            _quantize_quad(v0, v1, v2, v3, qd, qd < quads, A_sh, X_sh)
         cuda.syncthreads()
 
     return build
@@ -468,7 +473,7 @@ def ptx_cases():
     f2 = types.float32[:, ::1]
     for qtype in WLOAD:
         sig = (*plane_types(qtype), f2, f2, f2, f2, int32, types.float32, types.boolean)
-        for prologue, lanes, cols in (("norm", 16, 576), ("swiglu", 32, 1536), ("norm", 32, 4096), ("swiglu", 32, 4096)):
+        for prologue, lanes, cols in (("norm", 16, 576), ("swiglu", 32, 1536), ("norm", 32, 4096), ("swiglu", 32, 14336)):
             name = f"gemv_fused_{prologue}_{qtype}_l{lanes}_c{cols}"
             cases.append((name, _make_gemv_fused(qtype, lanes, *ONE_ROW_SHAPE, prologue, cols), sig))
     return cases

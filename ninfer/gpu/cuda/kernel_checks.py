@@ -118,12 +118,12 @@ def check_gemv_q8(scale, rng):
 def check_gemv_fused(scale, rng):
     """RMSNorm / SwiGLU + int8 quantization folded into the one-row GEMV, against the separate
     kernels' references chained (an int8 code may differ by one where r's last bit differs).
-    Real widths: SmolLM2's 576 / 1536 and the 8B's 4096 (several quads a thread, several
-    GEMV iterations after the prologue)."""
+    Real widths: SmolLM2's 576 / 1536 and the 8B's 4096 / 14336 (several quads a thread,
+    several GEMV iterations after the prologue)."""
     tiny = scale == "tiny"
     for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
         for j, prologue in enumerate(("norm", "swiglu")):
-            cols = (64, 320)[j] if tiny else (576, 1536, 4096)[(i + j) % 3]
+            cols = (64, 320)[j] if tiny else ((576, 4096, 576), (1536, 14336, 4096))[j][i]
             rows = 5 if tiny else 961
             t = random_stored(q, rows, cols, rng)
             w = _weight(pack_tensor(t))
