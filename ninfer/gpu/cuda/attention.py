@@ -7,6 +7,9 @@ heads that share the KV head and keeping an online softmax (max m, sum l, weight
 `attn_combine` merges the splits per (row, head) and writes float32 or int8 (the o-proj input).
 For few rows and short contexts (`use_one_launch`, by the graph bucket) `attn_decode_one`
 does it all in one launch: one block of 8 warps per (row, KV head) walks the whole context.
+Both decode kernels can also do the step's rope.qkv_post (`post=`): each block rotates its
+group's q from the raw QKV into shared memory and writes the new token's K / V (one block per
+position) before a barrier and its attention loop; one kernel fewer per layer.
 
 Prefill (rows of many tokens, or any mixed batch): a tile is up to TQ = 64 consecutive tokens
 of one row. float16 pools take the tensor-core kernel of flash.py; this module's SIMT kernel
@@ -27,7 +30,8 @@ import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_max, group_sum, ld8, shfl_xor, warp_sum
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_max, group_sum, ld8, ld8_pinned, shfl_xor, warp_sum
+from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
 
 DECODE_THREADS = 128
 NEG_BIG = -1.0e30  # running-max seed: exp(NEG_BIG - finite) == 0 without inf - inf
@@ -49,15 +53,19 @@ def merge_warps(sm, sl, sa, nw, g, e):
     return mx, tot, val
 
 
-def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = DECODE_THREADS):
+def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = DECODE_THREADS, post: bool = False,
+                     interleaved: bool = False):  # fmt: skip
+    """`post`: the kernel also does rope.qkv_post for its row's token (see `attn_decode`)."""
     epl = head_dim // 32
     nw = threads // 32
     ge = group * epl  # register array sizes must be compile-time constants
     ch = max(1, 16 // epl)  # positions per warp whose K / V are loaded together (16 floats each)
     num_chunks = -(-split_len // (nw * ch))
     che = ch * epl
+    gd = group * head_dim  # the rotated q of the group (post)
+    post_heads = decode_post_fn(head_dim, group, nw, interleaved) if post else None
 
-    def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
+    def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, post_args):
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         sp = cuda.blockIdx.z
@@ -76,10 +84,16 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
         kc = cuda.local.array(che, float32)
         vc = cuda.local.array(che, float32)
         sc = cuda.local.array(ch, float32)
+        if post:  # q is the raw QKV: every split rotates the group's q itself
+            qs = cuda.shared.array(gd, float32)
+            # only the split holding the new position n - 1 writes its K / V (no other reads it)
+            post_heads(q, post_args, b, kvh, sp == (n - 1) // split_len, qs, k_cache, v_cache)
+            cuda.syncthreads()  # qs and the block's pool writes visible to the whole block
         for g in range(group):
             h = kvh * group + g
             for e in range(epl):
-                qr[g * epl + e] = q[b, h * head_dim + lane + 32 * e] * scale
+                d = lane + 32 * e
+                qr[g * epl + e] = (qs[g * head_dim + d] if post else q[b, h * head_dim + d]) * scale
                 acc[g * epl + e] = float32(0.0)
             m[g] = float32(NEG_BIG)
             lsum[g] = float32(0.0)
@@ -141,6 +155,16 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
     return attn_decode
 
 
+def _decode_inputs(q, post):
+    """The decode kernels' first argument (q, or with `post` the raw QKV) and their last one, the
+    `post_args` tuple (empty without `post`; numba flattens a tuple argument at launch)."""
+    return (q, ()) if post is None else (post.qkv, post.kernel_args())
+
+
+def _interleaved(post) -> bool:
+    return post is not None and post.interleaved
+
+
 def make_attn_combine(head_dim: int, split_len: int, mode: str):
     def attn_combine(o_part, ml_part, seq_lens, out, xs):
         b = cuda.blockIdx.x
@@ -167,8 +191,8 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
 
 
 @functools.cache
-def attn_decode_kernel(head_dim, group, split_len):
-    return cuda.jit(make_attn_decode(head_dim, group, split_len))
+def attn_decode_kernel(head_dim, group, split_len, post=False, interleaved=False):
+    return cuda.jit(make_attn_decode(head_dim, group, split_len, post=post, interleaved=interleaved))
 
 
 @functools.cache
@@ -177,17 +201,21 @@ def attn_combine_kernel(head_dim, split_len, mode):
 
 
 def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, split_len, mode,
-                stream=0, num_splits: int | None = None) -> None:  # fmt: skip
+                stream=0, num_splits: int | None = None, post: DecodePost | None = None) -> None:  # fmt: skip
     """Both decode launches; o_part / ml_part are [B, H, max_splits, hd | 2] scratch.
 
     `num_splits` (default all) blocks per (row, kv head) are launched: it must cover the
     longest row, ceil(max(seq_lens) / split_len); fewer empty blocks for short contexts.
+    With `post`, the step's rope.qkv_post is done here (q is not read, may be None): each
+    block post-processes row b's token b, writes its K / V at the row's last position (seq_len
+    - 1 = tok_pos[b], at tok_page[b], tok_slot[b]) and attends over it.
     """
     max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-    attn_decode_kernel(spec.head_dim, spec.group_size, split_len)[
+    src, extra = _decode_inputs(q, post)
+    attn_decode_kernel(spec.head_dim, spec.group_size, split_len, post is not None, _interleaved(post))[
         (num_rows, spec.num_kv_heads, max_splits), DECODE_THREADS, stream
-    ](q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale)
+    ](src, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, extra)
     attn_combine_kernel(spec.head_dim, split_len, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](
         o_part, ml_part, seq_lens, out, xs
     )
@@ -238,7 +266,9 @@ def use_one_launch(head_dim: int, num_kv_heads: int, num_rows: int, context: int
     return chunks <= ONE_SHORT_CHUNKS or (num_rows * num_kv_heads >= ONE_FULL_BLOCKS and chunks <= ONE_MAX_CHUNKS)
 
 
-def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_WARPS, ch: int = ONE_CHUNK):
+def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_WARPS, ch: int = ONE_CHUNK,
+                         post: bool = False, interleaved: bool = False):  # fmt: skip
+    """`post`: the kernel also does rope.qkv_post for its row's token (see `attn_decode_one`)."""
     if not one_launch_supported(head_dim):
         raise ValueError(f"the one-launch decode attention needs head_dim / 8 a power of two <= 32, got {head_dim}")
     vec = ONE_VEC
@@ -251,8 +281,13 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
     step = nw * per_warp * ch  # positions per chunk of the whole block
     nblk = group * head_dim // 32  # 32-column output blocks of the KV head's query heads
     out_iters = -(-nblk // nw)
+    gd = group * head_dim  # the rotated q of the group (post)
+    post_heads = decode_post_fn(head_dim, group, nw, interleaved) if post else None
+    # the pool's new position is written by this very block: a coherent load after the barrier
+    # (the read-only `.nc` path is only for data no thread of the kernel writes)
+    load8 = ld8_pinned if post else ld8
 
-    def attn_decode_one(q, k_cache, v_cache, tables, seq_lens, out, xs, scale):
+    def attn_decode_one(q, k_cache, v_cache, tables, seq_lens, out, xs, scale, post_args):
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
@@ -273,22 +308,28 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
         # the first chunk's page ids do not wait for seq_lens (clamped to the table, masked later)
         for j in range(ch):
             pg[j] = tables[b, min((j * nw * per_warp + base) // page_size, last_t)]
+        if post:  # q is the raw QKV; the page ids (not written here) are in flight meanwhile
+            n = seq_lens[b]  # read before the barrier too, so the first chunk does not wait for it
+            qs = cuda.shared.array(gd, float32)
+            post_heads(q, post_args, b, kvh, True, qs, k_cache, v_cache)
+            cuda.syncthreads()  # qs and the block's pool writes visible to the whole block
         for g in range(group):
             h = kvh * group + g
             for i in range(vec):
-                qr[g * vec + i] = q[b, h * head_dim + d0 + i] * scale
+                qr[g * vec + i] = (qs[g * head_dim + d0 + i] if post else q[b, h * head_dim + d0 + i]) * scale
                 acc[g * vec + i] = float32(0.0)
             m[g] = float32(NEG_BIG)
             lsum[g] = float32(0.0)
-        n = seq_lens[b]
+        if not post:
+            n = seq_lens[b]
         for c in range(max(1, (n + step - 1) // step)):  # the same for the whole block
             first = c * step + base
             for j in range(ch):
                 p = first + j * nw * per_warp
                 ok = p < n
                 page = pg[j] if ok else 0
-                k0, k1, k2, k3, k4, k5, k6, k7 = ld8(k_cache, page, p % page_size, kvh, d0)
-                v0, v1, v2, v3, v4, v5, v6, v7 = ld8(v_cache, page, p % page_size, kvh, d0)
+                k0, k1, k2, k3, k4, k5, k6, k7 = load8(k_cache, page, p % page_size, kvh, d0)
+                v0, v1, v2, v3, v4, v5, v6, v7 = load8(v_cache, page, p % page_size, kvh, d0)
                 kc[j * vec + 0], kc[j * vec + 1], kc[j * vec + 2], kc[j * vec + 3] = k0, k1, k2, k3
                 kc[j * vec + 4], kc[j * vec + 5], kc[j * vec + 6], kc[j * vec + 7] = k4, k5, k6, k7
                 zero = float32(0.0)
@@ -369,21 +410,24 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
 
 
 @functools.cache
-def attn_decode_one_kernel(head_dim, group, mode, warps, ch):
-    fn = make_attn_decode_one(head_dim, group, mode, warps, ch)
+def attn_decode_one_kernel(head_dim, group, mode, warps, ch, post=False, interleaved=False):
+    fn = make_attn_decode_one(head_dim, group, mode, warps, ch, post, interleaved)
     # launch bounds: 16 warps must fit 128 registers a thread (8 warps fit without a cap)
     return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=32 * warps)(fn)
 
 
 def attn_decode_one(spec, q, k_cache, v_cache, tables, seq_lens, out, xs, num_rows, mode, stream=0,
-                    warps: int | None = None, ch: int | None = None) -> None:  # fmt: skip
+                    warps: int | None = None, ch: int | None = None,
+                    post: DecodePost | None = None) -> None:  # fmt: skip
     """Decode attention in one launch, grid (row, KV head): float32 `out` [B, q_dim], or int8
-    blocks + scales (`xs`) for mode 'q8'. K / V caches must have 16-byte aligned rows."""
+    blocks + scales (`xs`) for mode 'q8'. K / V caches must have 16-byte aligned rows. With
+    `post`, rope.qkv_post for the step's tokens is done here too, as in `attn_decode`."""
     warps, ch = warps or ONE_WARPS, ch or ONE_CHUNK
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-    attn_decode_one_kernel(spec.head_dim, spec.group_size, mode, warps, ch)[
+    src, extra = _decode_inputs(q, post)
+    attn_decode_one_kernel(spec.head_dim, spec.group_size, mode, warps, ch, post is not None, _interleaved(post))[
         (num_rows, spec.num_kv_heads), 32 * warps, stream
-    ](q, k_cache, v_cache, tables, seq_lens, out, xs, scale)
+    ](src, k_cache, v_cache, tables, seq_lens, out, xs, scale, extra)
 
 
 # -- prefill -----------------------------------------------------------------------------------
@@ -530,12 +574,16 @@ def ptx_cases():
     f2 = types.float32[:, ::1]
     f4 = types.float32[:, :, :, ::1]
     i1, i2 = types.int32[::1], types.int32[:, ::1]
+    plain, post = types.Tuple(()), post_arg_types()  # the decode kernels' `post_args` tuple
     cases = []
     for kv_t in (types.float16, types.float32):
         cache = types.Array(kv_t, 4, "C")
         for hd, group in ((64, 3), (128, 2), (128, 4)):
             sig = (f2, cache, cache, i2, i1, f4, f4, types.float32)
-            cases.append((f"attn_decode_hd{hd}_g{group}_{kv_t}", make_attn_decode(hd, group, 256), sig))
+            cases.append((f"attn_decode_hd{hd}_g{group}_{kv_t}", make_attn_decode(hd, group, 256), (*sig, plain)))
+            inter = group == 4
+            name = f"attn_decode_post_{'inter' if inter else 'half'}_hd{hd}_g{group}_{kv_t}"
+            cases.append((name, make_attn_decode(hd, group, 256, post=True, interleaved=inter), (*sig, post)))
             psig = (f2, cache, cache, i2, i1, i1, i1, i1, i1, f2, types.float32, types.int32)
             if group != 4:
                 cases.append((f"attn_prefill_hd{hd}_{kv_t}", make_attn_prefill(hd), psig))
@@ -548,5 +596,10 @@ def ptx_cases():
             for mode, out_t in (("f32", f2), ("q8", types.int8[:, ::1])):
                 sig = (f2, cache, cache, i2, i1, out_t, f2, types.float32)
                 name = f"attn_decode_one_{mode}_hd{hd}_g{group}_{kv_t}"
-                cases.append((name, make_attn_decode_one(hd, group, mode), sig))
+                cases.append((name, make_attn_decode_one(hd, group, mode), (*sig, plain)))
+                if mode == "q8" or hd == 64:  # the post variants: every shape in q8, one in f32
+                    inter = group == 4
+                    name = f"attn_decode_one_post_{'inter' if inter else 'half'}_{mode}_hd{hd}_g{group}_{kv_t}"
+                    fn = make_attn_decode_one(hd, group, mode, post=True, interleaved=inter)
+                    cases.append((name, fn, (*sig, post)))
     return cases

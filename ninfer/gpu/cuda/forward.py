@@ -5,6 +5,7 @@ buffers (buffers.py), so the same calls can run eagerly or be captured once per 
 Per layer (activations `act` = int8 blocks for the dp4a GEMV, or float32):
 
     rmsnorm(x) -> act ; QKV linear ; bias / q-k norm / RoPE / K-V write ; attention -> act
+    (with POST_IN_ATTENTION, decode steps do bias ... K-V write inside the attention kernel)
     x += O linear ; rmsnorm(x) -> act ; gate+up linear ; SwiGLU -> act ; x += down linear
 
 then the final norm of each sampled row's last token, the LM head and the sampler. One-token
@@ -36,6 +37,7 @@ class StepPlan:
 
 FUSE_ONE_ROW = True  # gemv_fused for one-token q8 steps (False: the separate kernels, for A/B timing)
 FOLDS = ("attn_norm", "ffn_norm", "swiglu")  # RMSNorm -> QKV, RMSNorm -> gate+up, SwiGLU -> down
+POST_IN_ATTENTION = False  # True: decode steps do rope.qkv_post inside the decode attention (measured neutral)
 
 
 class Forward:
@@ -65,6 +67,8 @@ class Forward:
             self._kv_words = [(flash.words(k_pool[i]), flash.words(v_pool[i])) for i in range(spec.num_layers)]
         d = spec.d_model
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
+        self._posts = [self._post_args(layer) for layer in model.layers]
+        self.post_in_attention = POST_IN_ATTENTION  # read at launch: set it before the first step
 
     def launch(self, plan: StepPlan, stream) -> None:
         b = self.bufs
@@ -79,7 +83,8 @@ class Forward:
             else:
                 self._norm(layer.attn_norm, t, act, stream)
                 self._linear(layer.wqkv, t, act, b.qkv, None, stream)
-            self._qkv_post(i, layer, t, stream)
+            if not (plan.decode and self.post_in_attention):
+                self._qkv_post(i, layer, t, stream)
             self._attention(i, plan, act, stream)
             self._linear((layer.wo,), t, act, b.x, b.x, stream)
             if "ffn_norm" in folds:
@@ -124,29 +129,35 @@ class Forward:
             col += w.rows
             gemv.gemv_fused(w, src, norm_w, self.spec.rms_eps, dst, res, prologue, stream)
 
-    def _qkv_post(self, i, layer, t, stream):
-        b, spec = self.bufs, self.spec
-        dummy = b.dummy_f1
-        rope.qkv_post(
-            spec, b.qkv, layer.bqkv if layer.bqkv is not None else dummy,
-            layer.q_norm if layer.q_norm is not None else dummy, layer.k_norm if layer.k_norm is not None else dummy,
-            self.cos, self.sin, b.tok_pos, b.tok_page, b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], t,
-            layer.bqkv is not None, layer.q_norm is not None, stream,
+    def _post_args(self, layer):
+        b, dummy = self.bufs, self.bufs.dummy_f1
+        return rope.DecodePost(
+            qkv=b.qkv, bias=layer.bqkv if layer.bqkv is not None else dummy,
+            q_norm=layer.q_norm if layer.q_norm is not None else dummy,
+            k_norm=layer.k_norm if layer.k_norm is not None else dummy, cos=self.cos, sin=self.sin, tok_pos=b.tok_pos,
+            tok_page=b.tok_page, tok_slot=b.tok_slot, eps=self.spec.rms_eps, has_bias=layer.bqkv is not None,
+            has_qk_norm=layer.q_norm is not None,
         )  # fmt: skip
+
+    def _qkv_post(self, i, layer, t, stream):
+        b, p = self.bufs, self._posts[i]
+        rope.qkv_post(self.spec, p.qkv, p.bias, p.q_norm, p.k_norm, p.cos, p.sin, p.tok_pos, p.tok_page, p.tok_slot, b.q,
+                      self.k_pool[i], self.v_pool[i], t, p.has_bias, p.has_qk_norm, stream)  # fmt: skip
 
     def _attention(self, i, plan, act, stream):
         b, spec = self.bufs, self.spec
         if plan.decode:
             out = b.xq8 if act == "q8" else b.h
+            post = self._posts[i] if self.post_in_attention else None  # bias / norms / RoPE / K-V write inside
             # one launch or split + combine, by the bucket (rows, splits): fixed per graph key
             context = (plan.num_splits or b.o_part.shape[2]) * self.split_len
             if attention.use_one_launch(spec.head_dim, spec.num_kv_heads, plan.num_rows, context):
                 attention.attn_decode_one(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
-                                          plan.num_rows, act, stream)  # fmt: skip
+                                          plan.num_rows, act, stream, post=post)  # fmt: skip
                 return
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
                                   b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
-                                  plan.num_splits or None)  # fmt: skip
+                                  plan.num_splits or None, post=post)  # fmt: skip
             return
         if self._kv_words is not None:
             kw, vw = self._kv_words[i]

@@ -183,32 +183,42 @@ if not SIMULATOR:
 
     mma_m16n8k16 = _mma
 
-    @intrinsic
-    def ld8(typingctx, arr, i0, i1, i2, i3):
-        """arr[i0, i1, i2, i3 : i3 + 8] as eight float32 (a float16 or float32 array; the first
-        element 16-byte aligned): one 16-byte load (float16) or two (float32), read-only path."""
-        if not isinstance(arr, types.Array) or arr.dtype not in (types.float16, types.float32):
-            return None
-        ret = types.UniTuple(types.float32, 8)
-        sig = ret(arr, i0, i1, i2, i3)
-        if arr.dtype == types.float16:
-            text = (
-                "{ .reg .b32 t0, t1, t2, t3; .reg .b16 h0, h1, h2, h3, h4, h5, h6, h7; "
-                "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [$8]; "
-                "mov.b32 {h0, h1}, t0; mov.b32 {h2, h3}, t1; mov.b32 {h4, h5}, t2; mov.b32 {h6, h7}, t3; "
-                + " ".join(f"cvt.f32.f16 ${k}, h{k};" for k in range(8))
-                + " }"
-            )
-        else:
-            text = "ld.global.nc.v4.f32 {$0, $1, $2, $3}, [$8]; ld.global.nc.v4.f32 {$4, $5, $6, $7}, [$8+16];"
+    def _make_ld8(space="global.nc", pinned=False):
+        """`ld8` on the read-only path, or (`pinned`) a coherent one that stays where the source
+        puts it: for data the same kernel wrote before a barrier (`.nc` may serve stale lines
+        and may be moved across bar.sync)."""
 
-        def codegen(context, builder, signature, args):
-            addr = _elem_addr(context, builder, signature, args)
-            st = ir.LiteralStructType([ir.FloatType()] * 8)
-            res = _asm_call(builder, st, [ir.IntType(64)], text, "=f," * 8 + "l", [addr])
-            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(8)])
+        @intrinsic
+        def ld8(typingctx, arr, i0, i1, i2, i3):
+            """arr[i0, i1, i2, i3 : i3 + 8] as eight float32 (a float16 or float32 array; the first
+            element 16-byte aligned): one 16-byte load (float16) or two (float32)."""
+            if not isinstance(arr, types.Array) or arr.dtype not in (types.float16, types.float32):
+                return None
+            ret = types.UniTuple(types.float32, 8)
+            sig = ret(arr, i0, i1, i2, i3)
+            if arr.dtype == types.float16:
+                text = (
+                    "{ .reg .b32 t0, t1, t2, t3; .reg .b16 h0, h1, h2, h3, h4, h5, h6, h7; "
+                    f"ld.{space}.v4.b32 {{t0, t1, t2, t3}}, [$8]; "
+                    "mov.b32 {h0, h1}, t0; mov.b32 {h2, h3}, t1; mov.b32 {h4, h5}, t2; mov.b32 {h6, h7}, t3; "
+                    + " ".join(f"cvt.f32.f16 ${k}, h{k};" for k in range(8))
+                    + " }"
+                )
+            else:
+                text = f"ld.{space}.v4.f32 {{$0, $1, $2, $3}}, [$8]; ld.{space}.v4.f32 {{$4, $5, $6, $7}}, [$8+16];"
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                addr = _elem_addr(context, builder, signature, args)
+                st = ir.LiteralStructType([ir.FloatType()] * 8)
+                res = _asm_call(builder, st, [ir.IntType(64)], text, "=f," * 8 + "l", [addr], side_effect=pinned)
+                return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(8)])
+
+            return sig, codegen
+
+        return ld8
+
+    ld8 = _make_ld8()
+    ld8_pinned = _make_ld8("global", pinned=True)
 
     @cuda.jit(device=True, inline=True)
     def shfl_xor(v, off):
@@ -362,6 +372,8 @@ else:
 
     def ld8(arr, i0, i1, i2, i3):
         return tuple(float32(arr[i0, i1, i2, i3 + k]) for k in range(8))
+
+    ld8_pinned = ld8
 
     def shfl_xor(v, off):
         vals, lane = _warp_values(v)

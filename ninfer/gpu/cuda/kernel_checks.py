@@ -302,7 +302,8 @@ def _paged_case(spec, scale, rng, lengths, kv_t, page_size):
 
 def check_attn_decode(scale, rng):
     """Split + combine, and the one-launch kernel (both output modes, a few warp / chunk shapes:
-    several chunks per row, lane groups of 4 (head_dim 32), 8 (64) and 16 (128) lanes)."""
+    several chunks per row, lane groups of 4 (head_dim 32), 8 (64) and 16 (128) lanes); then
+    both with rope.qkv_post folded in (`_check_decode_post`)."""
     tiny = scale == "tiny"
     for group, kv_t, mode, hd in ((2, np.float32, "f32", 32 if tiny else 128), (3, np.float16, "q8", 64)):
         spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8, head_dim=hd)
@@ -326,6 +327,73 @@ def check_attn_decode(scale, rng):
                 out, xs = _attn_out(spec, len(lengths), m)
                 attention.attn_decode_one(spec, *args, out, xs, len(lengths), m, warps=warps, ch=ch)
                 _check_attn(out, xs, want, m, f"attn_decode_one g{group} hd{hd} warps {warps} ch {ch}")
+    # rope.qkv_post folded in (post=): llama, qwen2's bias, qwen3's q/k norm, interleaved pairs
+    for i, (kw, inter, group, kv_t, hd) in enumerate((
+        ({}, False, 2, np.float32, 32 if tiny else 128),
+        (dict(has_qkv_bias=True), False, 3, np.float16, 64),
+        (dict(has_qk_norm=True), False, 2, np.float16, 128),
+        ({}, True, 3, np.float32, 64),
+    )):  # fmt: skip
+        spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8, head_dim=hd,
+                     **kw)  # fmt: skip
+        _check_decode_post(spec, scale, rng, kv_t, inter, ("f32", "q8")[i % 2], ("q8", "f32")[i % 2])
+
+
+def _check_decode_post(spec, scale, rng, kv_t, inter, split_mode, one_mode):
+    """Both decode kernels with `post`: the attention output against attention_ref over a
+    context whose last K / V are qkv_post_ref's (the pool held other values there), and the
+    pools against the old ones with the new token's K / V at (page, slot)."""
+    from ninfer.gpu.reference import rope_angles
+
+    tiny = scale == "tiny"
+    page_size, split = (4, 8) if tiny else (16, 256)
+    # tiny: the new position last in a split (8), first in one (9: that split reads only it)
+    lengths = [1, 8, 9, 21] if tiny else [1, 300, 4000, 8192]
+    rows = len(lengths)
+    tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, kv_t, page_size)
+    old_k, old_v = kc.copy(), vc.copy()
+    qkv = rng.standard_normal((rows, spec.q_dim + 2 * spec.kv_dim)).astype(np.float32)
+    bias = rng.standard_normal(qkv.shape[1]).astype(np.float32) if spec.has_qkv_bias else None
+    qn, kn = (None, None)
+    if spec.has_qk_norm:
+        qn, kn = (1 + 0.1 * rng.standard_normal((2, spec.head_dim))).astype(np.float32)
+    pos = np.array(lengths, np.int32) - 1  # decode: token b is row b's last position
+    page, slot = tables[np.arange(rows), pos // page_size], (pos % page_size).astype(np.int32)
+    cos, sin = rope_angles(spec, np.arange(spec.max_context))
+    q, k, v = rope.qkv_post_ref(spec, qkv, bias, qn, kn, cos, sin, pos, inter)
+    kc[page, slot], vc[page, slot] = k, v  # what the kernels must write (context() reads these)
+    want = np.concatenate([
+        attention.attention_ref(q[r : r + 1], *context(r), [n - 1], spec.group_size, spec.head_dim)
+        for r, n in enumerate(lengths)
+    ])  # fmt: skip
+    f1 = np.zeros(1, np.float32)
+    post = rope.DecodePost(
+        qkv=_dev(qkv), bias=_dev(f1 if bias is None else bias), q_norm=_dev(f1 if qn is None else qn),
+        k_norm=_dev(f1 if kn is None else kn), cos=_dev(cos), sin=_dev(sin), tok_pos=_dev(pos), tok_page=_dev(page),
+        tok_slot=_dev(slot), eps=spec.rms_eps, has_bias=bias is not None, has_qk_norm=qn is not None, interleaved=inter,
+    )  # fmt: skip
+    d_tables, d_lens = _dev(tables), _dev(np.array(lengths, np.int32))
+    tol = 1e-5 if kv_t == np.float32 else 2e-3
+    name = f"attn_decode post hd{spec.head_dim} bias {bias is not None} qk_norm {qn is not None} inter {inter}"
+    for kernel, mode in (("split", split_mode), ("one", one_mode)):
+        dk, dv = _dev(old_k), _dev(old_v)  # the new position holds other (random) values
+        out, xs = _attn_out(spec, rows, mode)
+        if kernel == "split":
+            max_splits = -(-max(lengths) // split)
+            o_part = _poisoned((rows, spec.num_heads, max_splits, spec.head_dim))
+            ml = _poisoned((rows, spec.num_heads, max_splits, 2))
+            attention.attn_decode(spec, None, dk, dv, d_tables, d_lens, o_part, ml, out, xs, rows, split, mode,
+                                  post=post)  # fmt: skip
+        else:
+            warps, ch = (2, 1) if tiny else (None, None)
+            attention.attn_decode_one(spec, None, dk, dv, d_tables, d_lens, out, xs, rows, mode, warps=warps, ch=ch,
+                                      post=post)  # fmt: skip
+        if mode == "f32":  # f16 pools: a new K may round to the float16 next to the reference's
+            _close(out.copy_to_host(), want, 1e-5 if kv_t == np.float32 else 1e-3, f"{name} {kernel}")
+        else:
+            _check_attn(out, xs, want, mode, f"{name} {kernel}")
+        _close(dk.copy_to_host(), kc, tol, f"{name} {kernel}: k pool")
+        _close(dv.copy_to_host(), vc, tol, f"{name} {kernel}: v pool")
 
 
 def _attn_out(spec, rows, mode):
@@ -591,6 +659,8 @@ def check_runner(scale, rng):
                              split_len=8)  # fmt: skip
             if one.forward.folds != frozenset(forward.FOLDS):
                 raise AssertionError(f"the tiny q8 model should take every fold, takes {sorted(one.forward.folds)}")
+            # and rope.qkv_post inside the decode attention (off by default; `cr` took the separate kernel)
+            one.forward.post_in_attention = True
             _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             one.close()
 
