@@ -12,6 +12,9 @@ The backend-selection tests at the end run everywhere.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import trio
@@ -233,3 +236,18 @@ def test_backend_typo_and_missing_gpu_are_clear_errors():
     if not cuda_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             resolve_backend("cuda")
+
+
+@pytest.mark.skipif(cuda_available(), reason="needs a machine without a usable GPU")
+def test_standalone_bench_without_gpu_is_one_line_and_exit_2():
+    """`python -m ninfer.cli.bench` (what the GPU machine runs) reports a missing GPU like
+    `ninfer bench` does: one line on stderr, exit status 2, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ninfer.cli.bench", "--random", "smollm2-135m", "--backend", "cuda"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "ninfer bench: error: --backend cuda was asked for, but no usable CUDA GPU was found"
+    ]
+    assert "Traceback" not in proc.stderr
