@@ -202,16 +202,12 @@ def format_table(results: dict, anchors: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m ninfer.cli.bench ...`: the bench alone (no server dependencies imported);
-    errors that are the user's to fix print one line and exit 2, as under `ninfer bench`."""
-    from ninfer.cli.common import user_errors
+    errors are reported as under `ninfer bench`."""
+    from ninfer.cli.common import run_reporting_errors
 
     root = argparse.ArgumentParser(prog="ninfer")
     args = add_parser(root.add_subparsers(dest="command", required=True)).parse_args(argv)
-    try:
-        return run(args) or 0
-    except user_errors() as e:
-        print(f"ninfer bench: error: {e}", file=sys.stderr)
-        return 2
+    return run_reporting_errors("bench", run, args)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,19 @@ def read_messages(path: str) -> list[dict]:
     return messages
 
 
+def run_reporting_errors(command: str, run, args) -> int:
+    """`run(args)` as command `command`: errors that are the user's to fix print one line and
+    exit 2, Ctrl-C exits 130; anything else is a bug and keeps its traceback."""
+    try:
+        return run(args) or 0
+    except user_errors() as e:
+        print(f"ninfer {command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ninfer {command}: interrupted", file=sys.stderr)
+        return 130
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix: printed as one line, never a traceback."""
     from ninfer.models.loaded import ModelLoadError

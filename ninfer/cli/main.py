@@ -46,18 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ninfer.cli.common import user_errors
+    from ninfer.cli.common import run_reporting_errors
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.run(args) or 0
-    except user_errors() as e:
-        print(f"ninfer {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"ninfer {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_reporting_errors(args.command, args.run, args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, warp_max, warp_sum, device
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_max, group_sum, warp_max, warp_sum
 
 
 @device
@@ -34,6 +34,22 @@ def store_q8(v, valid, xq8, xs, m, blk, lane):
     if lane == 0:
         xs[m, 2 * blk] = d
         xs[m, 2 * blk + 1] = d * total
+
+
+@device
+def quantize_quad(v0, v1, v2, v3):
+    """Four consecutive columns, held by one thread of 8 aligned lanes that together hold one
+    32-column block: (q0, q1, q2, q3, dx, dx * sum(q) of the block). Every lane of the 8 must
+    call it (3-step shuffles for the block's max and code sum)."""
+    amax = group_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), 8)
+    d = amax / float32(127.0)
+    inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
+    q0 = min(max(int32(math.floor(v0 * inv + float32(0.5))), -127), 127)
+    q1 = min(max(int32(math.floor(v1 * inv + float32(0.5))), -127), 127)
+    q2 = min(max(int32(math.floor(v2 * inv + float32(0.5))), -127), 127)
+    q3 = min(max(int32(math.floor(v3 * inv + float32(0.5))), -127), 127)
+    total = group_sum(float32(q0 + q1 + q2 + q3), 8)
+    return q0, q1, q2, q3, d, d * total
 
 
 def quantize_q8_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -84,7 +84,7 @@ class Forward:
                 self._norm(layer.attn_norm, t, act, stream)
                 self._linear(layer.wqkv, t, act, b.qkv, None, stream)
             if not (plan.decode and self.post_in_attention):
-                self._qkv_post(i, layer, t, stream)
+                self._qkv_post(i, t, stream)
             self._attention(i, plan, act, stream)
             self._linear((layer.wo,), t, act, b.x, b.x, stream)
             if "ffn_norm" in folds:
@@ -139,7 +139,7 @@ class Forward:
             has_qk_norm=layer.q_norm is not None,
         )  # fmt: skip
 
-    def _qkv_post(self, i, layer, t, stream):
+    def _qkv_post(self, i, t, stream):
         b, p = self.bufs, self._posts[i]
         rope.qkv_post(self.spec, p.qkv, p.bias, p.q_norm, p.k_norm, p.cos, p.sin, p.tok_pos, p.tok_page, p.tok_slot, b.q,
                       self.k_pool[i], self.v_pool[i], t, p.has_bias, p.has_qk_norm, stream)  # fmt: skip

@@ -19,10 +19,10 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, types, uint32
 
-from ninfer.gpu.cuda.act_quant import dequantize_q8_ref
+from ninfer.gpu.cuda.act_quant import dequantize_q8_ref, quantize_quad
 from ninfer.gpu.cuda.dequant import DQ_WORD
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, block_sum, device, group_max, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2,
+    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2,
 )
 from ninfer.gpu.cuda.swiglu import silu_mul
 from ninfer.gpu.cuda.qdot import QDOT, WDOT, WLOAD, WCOMP, WORDS, act_block
@@ -209,26 +209,16 @@ FUSE_MAX_BYTES = 4 << 20  # larger matrices are bandwidth-bound: the re-reads wo
 
 
 @device
-def _quantize_quad(v0, v1, v2, v3, qd, valid, A_sh, X_sh):
-    """Four columns 4 qd .. + 3 -> int8x4 word A_sh[qd]; the 8 aligned threads holding one
-    32-column block share its scale (3-step shuffles; every thread takes part)."""
-    amax = group_max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), 8)
-    d = amax / float32(127.0)
-    inv = float32(1.0) / d if d > float32(0.0) else float32(0.0)
-    word = uint32(0)
-    qsum = int32(0)
-    for k in range(4):
-        v = v0 if k == 0 else v1 if k == 1 else v2 if k == 2 else v3
-        q = int32(math.floor(v * inv + float32(0.5)))
-        q = min(max(q, -127), 127)
-        qsum += q
-        word |= uint32(q & 0xFF) << uint32(8 * k)
-    total = group_sum(float32(qsum), 8)
+def _store_quad(v0, v1, v2, v3, qd, valid, A_sh, X_sh):
+    """Four columns 4 qd .. + 3 -> int8x4 word A_sh[qd] and, from the block's first thread,
+    the 32-column block's dx, dx * sum(q) (act_quant.quantize_quad; every thread calls it)."""
+    q0, q1, q2, q3, d, dsum = quantize_quad(v0, v1, v2, v3)
     if valid:
-        A_sh[qd] = word
+        A_sh[qd] = (uint32(q0 & 0xFF) | (uint32(q1 & 0xFF) << uint32(8)) | (uint32(q2 & 0xFF) << uint32(16))
+                    | (uint32(q3 & 0xFF) << uint32(24)))  # fmt: skip
         if cuda.threadIdx.x % 8 == 0:
             X_sh[2 * (qd // 8)] = d
-            X_sh[2 * (qd // 8) + 1] = d * total
+            X_sh[2 * (qd // 8) + 1] = dsum
 
 
 def _make_prologue(prologue: str, cols: int, threads: int):
@@ -264,7 +254,7 @@ def _make_prologue(prologue: str, cols: int, threads: int):
                 g0, g1, g2, g3 = ld4_f32(src, 0, col)
                 u0, u1, u2, u3 = ld4_f32(src, 0, cols + col)
                 v0, v1, v2, v3 = silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3)
-            _quantize_quad(v0, v1, v2, v3, qd, qd < quads, A_sh, X_sh)
+            _store_quad(v0, v1, v2, v3, qd, qd < quads, A_sh, X_sh)
         cuda.syncthreads()
 
     return build
@@ -345,15 +335,13 @@ def fusable(w) -> bool:
     return w.qtype in WLOAD and w.cols <= FUSE_MAX_COLS and w.nbytes <= FUSE_MAX_BYTES
 
 
-def gemv_fused(w, src, norm_w, eps, out, res, prologue: str, stream=0, lanes: int | None = None,
-               shape: tuple[int, int] | None = None) -> None:  # fmt: skip
+def gemv_fused(w, src, norm_w, eps, out, res, prologue: str, stream=0, lanes: int | None = None) -> None:
     """out[0] = q8(prologue(src)) @ w.T (+ res[0]) for one activation row.
 
     prologue 'norm': src is x [>= 1, cols] and norm_w the RMSNorm weight as [1, cols];
-    'swiglu': src is the gate/up output [>= 1, 2 cols] (norm_w any [1, >= 1] float array).
-    `shape` = (rows per lane group, unroll) overrides ONE_ROW_SHAPE (tests, tuning)."""
+    'swiglu': src is the gate/up output [>= 1, 2 cols] (norm_w any [1, >= 1] float array)."""
     lanes = lanes or lanes_for(w.num_blocks)
-    rpg, unroll = shape or ONE_ROW_SHAPE
+    rpg, unroll = ONE_ROW_SHAPE
     rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
     grid = (1, (w.rows + rows_per_block - 1) // rows_per_block)
     kernel = gemv_fused_kernel(w.qtype, prologue, lanes, w.cols, rpg, unroll)

@@ -14,10 +14,10 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, types
 
-from ninfer.gpu.cuda.act_quant import quantize_q8_ref
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum, group_max, group_sum, ld4_f32
+from ninfer.gpu.cuda.act_quant import quantize_q8_ref, quantize_quad
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum, ld4_f32
 
 MAX_THREADS = 64 if SIMULATOR else 1024
 
@@ -70,31 +70,20 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
         for c in range(chunks):
             col = 4 * (tid + threads * c)
             valid = col < d
-            amax = float32(0.0)
             for k in range(4):
-                y = vals[4 * c + k] * r * (w[col + k] if valid else float32(0.0))
-                vals[4 * c + k] = y
-                amax = max(amax, abs(y))
+                vals[4 * c + k] = vals[4 * c + k] * r * (w[col + k] if valid else float32(0.0))
             if mode == "f32":
                 if valid:
                     for k in range(4):
                         out[i, col + k] = vals[4 * c + k]
-            else:
-                amax = group_max(amax, 8)  # every lane takes part in the shuffles
-                dq = amax / float32(127.0)
-                inv = float32(1.0) / dq if dq > float32(0.0) else float32(0.0)
-                qsum = int32(0)
-                for k in range(4):
-                    q = int32(math.floor(vals[4 * c + k] * inv + float32(0.5)))
-                    q = min(max(q, -127), 127)
-                    qsum += q
-                    if valid:
-                        out[i, col + k] = q
-                total_q = group_sum(float32(qsum), 8)
-                if valid and lane % 8 == 0:
-                    blk = col // 32
-                    xs[i, 2 * blk] = dq
-                    xs[i, 2 * blk + 1] = dq * total_q
+            else:  # every lane takes part in the shuffles
+                q0, q1, q2, q3, dq, dsum = quantize_quad(vals[4 * c], vals[4 * c + 1], vals[4 * c + 2], vals[4 * c + 3])
+                if valid:
+                    out[i, col], out[i, col + 1], out[i, col + 2], out[i, col + 3] = q0, q1, q2, q3
+                    if lane % 8 == 0:
+                        blk = col // 32
+                        xs[i, 2 * blk] = dq
+                        xs[i, 2 * blk + 1] = dsum
 
     return rmsnorm
 
