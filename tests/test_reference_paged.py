@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -209,3 +210,16 @@ def test_kv_capacity_auto_fits_the_budget():
     assert kv_capacity_auto(spec) >= 1  # a share of the host's free memory
     with pytest.raises(ValueError, match="holds no page"):
         kv_capacity_auto(spec, budget_bytes=page_bytes - 1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_step_weight_bytes_leave_out_the_embedding_table_unless_it_is_the_head(tied):
+    """The bench's bandwidth floor counts what a decode step reads: a step gathers a few rows
+    of the embedding table, so an untied model's table is not part of the floor's bytes."""
+    spec, weights = random_model("llama")
+    if tied:
+        spec = attrs.evolve(spec, tie_embeddings=True)
+        weights = ModelWeights({k: v for k, v in weights.tensors.items() if k != "lm_head"}, spec.num_layers)
+    runner = ReferenceRunner((spec, weights), num_pages=8, page_size=4)
+    table = spec.vocab_size * spec.d_model * 4  # float32
+    assert runner.step_weight_nbytes == runner.weight_nbytes - (0 if tied else table)

@@ -7,7 +7,8 @@ kernels and capture the CUDA graphs:
   aggregate tok/s = B * tokens / time;
 * prefill: one prompt of L tokens in one step (its first token sampled); tok/s = L / time, and
   time to first token (TTFT) is that step's time;
-* floor: the bytes one decode step must read (weights once + the streams' KV) over the
+* floor: the bytes one decode step must read (the layers' and the head's weights once, not
+  the embedding table a step gathers a few rows of, + the streams' KV) over the
   device-to-device copy bandwidth (4,070 GB/s measured on the H200), and the fraction of it
   achieved.
 
@@ -63,7 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     model, name = _model(args)
     runner, backend = _runner(model, args)
-    results = {"model": name, "backend": backend, "weight_bytes": int(runner.weight_nbytes), "decode": [], "prefill": []}
+    results = {"model": name, "backend": backend, "weight_bytes": int(runner.step_weight_nbytes), "decode": [], "prefill": []}
     rng = np.random.default_rng(0)
     for streams in args.streams:
         results["decode"].append(bench_decode(runner, streams, args.decode_prompt, args.decode_tokens, args.repeats, rng))

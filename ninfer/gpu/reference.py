@@ -101,6 +101,12 @@ class ReferenceRunner:
             arrays += [a for a in attrs.astuple(layer, recurse=False) if a is not None]
         return sum(int(a.nbytes) for a in arrays)
 
+    @property
+    def step_weight_nbytes(self) -> int:
+        """Weight bytes one decode step reads: the embedding table only where it is the head."""
+        untied = self._head is not self._embed
+        return self.weight_nbytes - (int(self._embed.nbytes) if untied else 0)
+
     # -- the forward ---------------------------------------------------------------------
 
     def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:

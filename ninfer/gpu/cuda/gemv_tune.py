@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 
@@ -31,6 +32,7 @@ from ninfer.gpu.cuda.quant_layout import pack_tensor, random_stored
 from ninfer.gpu.cuda.random_model import random_spec
 
 VARIANTS = [(1, 4, False), (1, 4, True), (2, 4, False), (2, 4, True), (2, 2, True), (4, 2, True), (1, 8, True)]
+# (rows per lane group, unroll, L2 prefetch) at gemv.lanes_for's width, or --variants "l8r2u4,..."
 MIN_BYTES = 400 << 20  # weight bytes cycled through per graph (8x the H200's 50 MB L2)
 
 
@@ -52,7 +54,18 @@ def _time_graph(stream, launch, reps: int = 20) -> float:
     return statistics.median(times[2:])
 
 
-def tune_linear(name, qtype, rows, cols, stream, rng) -> list[dict]:
+def parse_variants(text: str) -> list[tuple[int | None, int, int, bool]]:
+    """'l8r2u4,r1u4p' -> [(lanes, rows per group, unroll, prefetch)]; lanes None = lanes_for."""
+    out = []
+    for item in text.split(","):
+        m = re.fullmatch(r"(?:l(8|16|32))?r(\d)u(\d)(p?)", item.strip())
+        if not m:
+            raise SystemExit(f"bad variant {item!r}: expected e.g. l16r2u4 (lanes, rows per group, unroll, p = prefetch)")
+        out.append((int(m[1]) if m[1] else None, int(m[2]), int(m[3]), m[4] == "p"))
+    return out
+
+
+def tune_linear(name, qtype, rows, cols, stream, rng, variants=None) -> list[dict]:
     packed = pack_tensor(random_stored(qtype, rows, cols, rng))
     copies = max(2, min(64, -(-MIN_BYTES // packed.nbytes)))
     ws = [upload_weight(packed, stream) for _ in range(copies)]
@@ -64,17 +77,18 @@ def tune_linear(name, qtype, rows, cols, stream, rng) -> list[dict]:
     d_xs = cuda.to_device(xs, stream=stream)
     out = cuda.device_array((1, rows), np.float32)
     rows_out = []
-    for rpg, unroll, pf in VARIANTS:
+    for lanes, rpg, unroll, pf in variants or [(None, *v) for v in VARIANTS]:
         if qtype not in ("Q4_0", "Q4_1", "Q8_0") and rpg > 1 and pf:
             continue
 
         def launch():
             for w in ws:
-                gemv.gemv(w, d_xq, d_xs, out, None, 1, "q8", stream, shape=(rpg, unroll), prefetch=pf)
+                gemv.gemv(w, d_xq, d_xs, out, None, 1, "q8", stream, lanes=lanes, shape=(rpg, unroll), prefetch=pf)
 
         ms = _time_graph(stream, launch)
         us = 1e3 * ms / copies
-        rows_out.append({"linear": name, "qtype": qtype, "rows": rows, "cols": cols, "rows_per_group": rpg,
+        rows_out.append({"linear": name, "qtype": qtype, "rows": rows, "cols": cols,
+                         "lanes": lanes or gemv.lanes_for(cols // 32), "rows_per_group": rpg,
                          "unroll": unroll, "prefetch": pf, "us": round(us, 2),
                          "GB/s": round(packed.nbytes / us / 1e3, 1)})  # fmt: skip
         print(json.dumps(rows_out[-1]), flush=True)
@@ -180,10 +194,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="llama3-8b,smollm2-135m")
     p.add_argument("--qtype", default="Q4_1")
     p.add_argument("--json")
+    p.add_argument("--variants", help="q8 GEMV shapes to time, e.g. l32r2u4,l8r2u2 (default: the built-in set)")
+    p.add_argument("--linears", default="qkv,o,gate_up,down,head", help="which linears to time")
     p.add_argument("--gemm", action="store_true", help="time the prefill GEMM instead of the decode kernels")
     p.add_argument("--tokens", default="512,4096", help="--gemm: token counts (M)")
     p.add_argument("--tiles", default="auto,64x64,32x64,32x32", help="--gemm: tiles, auto = gemm.pick_tile")
     args = p.parse_args(argv)
+    variants = parse_variants(args.variants) if args.variants else None
     for text in args.tiles.split(","):
         _tile_arg(text)  # a bad tile fails before the GPU work
     stream = cuda.stream()
@@ -202,7 +219,8 @@ def main(argv=None) -> int:
                                      ("gate_up", 2 * spec.d_ffn, spec.d_model, args.qtype),
                                      ("down", spec.d_model, spec.d_ffn, args.qtype),
                                      ("head", spec.vocab_size, spec.d_model, "Q8_0")):  # fmt: skip
-            results += [dict(r, shape=shape) for r in tune_linear(name, qt, rows, cols, stream, rng)]
+            if name in args.linears.split(","):
+                results += [dict(r, shape=shape) for r in tune_linear(name, qt, rows, cols, stream, rng, variants)]
         results += [dict(r, shape=shape) for r in tune_small(spec, stream, rng)]
     if args.json:
         with open(args.json, "w") as f:

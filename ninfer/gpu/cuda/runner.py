@@ -105,6 +105,12 @@ class CudaRunner:
     def weight_nbytes(self) -> int:
         return self.model.nbytes
 
+    @property
+    def step_weight_nbytes(self) -> int:
+        """Weight bytes one decode step reads: the layers and the head, not the embedding table
+        (a step gathers a few of its rows) unless the head is that table."""
+        return self.model.step_bytes()
+
     def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
         """Run one forward over the batch; one result per row, None where row.sample is None."""
         self._validate(rows)
