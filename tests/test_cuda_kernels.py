@@ -18,7 +18,7 @@ import sys
 import pytest
 
 CHECK_NAMES = [
-    "attn_decode", "attn_prefill", "dequantize_rows", "embed", "flash_prefill", "gemm", "gemv_f32", "gemv_fused",
+    "attn_decode", "attn_prefill", "dequantize_rows", "embed", "flash_prefill", "gemm", "gemv_epilogue", "gemv_f32", "gemv_fused",
     "gemv_q8", "pages", "qkv_post", "quantize_rows", "rmsnorm", "runner", "sampler", "swiglu",
 ]  # fmt: skip
 

@@ -27,10 +27,12 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, types
+from numba import cuda, float32, int32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_max, group_sum, ld8, ld8_pinned, shfl_xor, warp_sum
+from ninfer.gpu.cuda.intrinsics import (
+    SIMULATOR, device, group_max, group_sum, ld8, ld8_pinned, ld_f32_cg, shfl_xor, warp_sum,
+)
 from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
 
 DECODE_THREADS = 128
@@ -53,9 +55,59 @@ def merge_warps(sm, sl, sa, nw, g, e):
     return mx, tot, val
 
 
+MERGE_UNROLL = 8  # splits whose partials one merge step loads before using any
+
+
+@device
+def _ld(arr, i0, i1, i2, i3):
+    return arr[i0, i1, i2, i3]
+
+
+def _make_merge(coherent: bool):
+    """Device function: element e of head h of row b merged over its `ns` splits (o_part,
+    ml_part) by an online softmax. The partials of MERGE_UNROLL splits are loaded before any
+    is used, so a merge waits one round trip per 8 splits, not one per split. `coherent`: the
+    partials were written by other blocks of the same kernel (read from L2: ld_f32_cg)."""
+    load = ld_f32_cg if coherent else _ld
+    mu = MERGE_UNROLL
+
+    @device
+    def merge(o_part, ml_part, b, h, e, ns):
+        mx = float32(NEG_BIG)
+        tot = float32(0.0)
+        val = float32(0.0)
+        ms = cuda.local.array(mu, float32)
+        ls = cuda.local.array(mu, float32)
+        os_ = cuda.local.array(mu, float32)
+        last = ns - 1
+        for s0 in range(0, ns, mu):
+            for j in range(mu):
+                sp = min(s0 + j, last)
+                ms[j] = load(ml_part, b, h, sp, 0)
+                ls[j] = load(ml_part, b, h, sp, 1)
+                os_[j] = load(o_part, b, h, sp, e)
+            for j in range(mu):
+                if s0 + j <= last:
+                    m_new = max(mx, ms[j])
+                    c = math.exp(mx - m_new)
+                    f = math.exp(ms[j] - m_new)
+                    tot = tot * c + ls[j] * f
+                    val = val * c + os_[j] * f
+                    mx = m_new
+        return val / tot
+
+    return merge
+
+
+_merge_plain = _make_merge(False)
+_merge_cg = _make_merge(True)
+
+
 def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = DECODE_THREADS, post: bool = False,
-                     interleaved: bool = False):  # fmt: skip
-    """`post`: the kernel also does rope.qkv_post for its row's token (see `attn_decode`)."""
+                     interleaved: bool = False, merge: str | None = None):  # fmt: skip
+    """`post`: the kernel also does rope.qkv_post for its row's token (see `attn_decode`).
+    `merge` ('f32' | 'q8'): the last split of each (row, KV head) to finish merges all of them
+    and writes the output (no attn_combine launch); see `attn_decode`."""
     epl = head_dim // 32
     nw = threads // 32
     ge = group * epl  # register array sizes must be compile-time constants
@@ -65,7 +117,11 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
     gd = group * head_dim  # the rotated q of the group (post)
     post_heads = decode_post_fn(head_dim, group, nw, interleaved) if post else None
 
-    def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, post_args):
+    gdim = group * head_dim
+    out_iters = -(-gdim // threads)
+    merging = merge is not None
+
+    def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, post_args, merge_args):
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         sp = cuda.blockIdx.z
@@ -151,6 +207,30 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
             if e == 0:
                 ml_part[b, h, sp, 0] = mx
                 ml_part[b, h, sp, 1] = tot
+        if merging:
+            out, xs, counters = merge_args
+            flag = cuda.shared.array(1, int32)
+            cuda.threadfence()  # this split's partials visible to the block that merges
+            cuda.syncthreads()
+            ns = (n + split_len - 1) // split_len
+            if cuda.threadIdx.x == 0:
+                flag[0] = int32(1) if cuda.atomic.add(counters, (b, kvh), 1) == ns - 1 else int32(0)
+            cuda.syncthreads()
+            if flag[0] == 1:  # block-uniform: every other split of (b, kvh) has stored its partials
+                cuda.threadfence()
+                for it in range(out_iters):  # the same count for every thread (store_q8's reductions)
+                    idx = cuda.threadIdx.x + it * threads
+                    g = min(idx // head_dim, group - 1)
+                    e = idx % head_dim
+                    v = _merge_cg(o_part, ml_part, b, kvh * group + g, e, ns)
+                    col = (kvh * group + g) * head_dim + e
+                    if merge == "f32":
+                        if idx < gdim:
+                            out[b, col] = v
+                    else:  # head_dim % 32 == 0: a warp's 32 columns are one int8 block of one head
+                        store_q8(v, idx < gdim, out, xs, b, col // 32, e % 32)
+                if cuda.threadIdx.x == 0:
+                    counters[b, kvh] = 0
 
     return attn_decode
 
@@ -171,16 +251,7 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
         h = cuda.blockIdx.y
         e = cuda.threadIdx.x
         ns = (seq_lens[b] + split_len - 1) // split_len
-        mx = ml_part[b, h, 0, 0]
-        for s in range(1, ns):
-            mx = max(mx, ml_part[b, h, s, 0])
-        tot = float32(0.0)
-        val = float32(0.0)
-        for s in range(ns):
-            f = math.exp(ml_part[b, h, s, 0] - mx)
-            tot += ml_part[b, h, s, 1] * f
-            val += o_part[b, h, s, e] * f
-        v = val / tot
+        v = _merge_plain(o_part, ml_part, b, h, e, ns)
         col = h * head_dim + e
         if mode == "f32":
             out[b, col] = v
@@ -191,8 +262,8 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
 
 
 @functools.cache
-def attn_decode_kernel(head_dim, group, split_len, post=False, interleaved=False):
-    return cuda.jit(make_attn_decode(head_dim, group, split_len, post=post, interleaved=interleaved))
+def attn_decode_kernel(head_dim, group, split_len, post=False, interleaved=False, merge=None):
+    return cuda.jit(make_attn_decode(head_dim, group, split_len, post=post, interleaved=interleaved, merge=merge))
 
 
 @functools.cache
@@ -201,7 +272,7 @@ def attn_combine_kernel(head_dim, split_len, mode):
 
 
 def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, split_len, mode,
-                stream=0, num_splits: int | None = None, post: DecodePost | None = None) -> None:  # fmt: skip
+                stream=0, num_splits: int | None = None, post: DecodePost | None = None, counters=None) -> None:  # fmt: skip
     """Both decode launches; o_part / ml_part are [B, H, max_splits, hd | 2] scratch.
 
     `num_splits` (default all) blocks per (row, kv head) are launched: it must cover the
@@ -209,16 +280,22 @@ def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, ou
     With `post`, the step's rope.qkv_post is done here (q is not read, may be None): each
     block post-processes row b's token b, writes its K / V at the row's last position (seq_len
     - 1 = tok_pos[b], at tok_page[b], tok_slot[b]) and attends over it.
+    With `counters` (int32 [>= num_rows, kv heads], zero; left zero) there is no combine
+    launch: the last split of each (row, KV head) to finish (an atomic count; every split
+    fences its partials first) merges them and writes out / xs.
     """
     max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
     src, extra = _decode_inputs(q, post)
-    attn_decode_kernel(spec.head_dim, spec.group_size, split_len, post is not None, _interleaved(post))[
-        (num_rows, spec.num_kv_heads, max_splits), DECODE_THREADS, stream
-    ](src, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, extra)
-    attn_combine_kernel(spec.head_dim, split_len, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](
-        o_part, ml_part, seq_lens, out, xs
-    )
+    merge = None if counters is None else mode
+    kernel = attn_decode_kernel(spec.head_dim, spec.group_size, split_len, post is not None, _interleaved(post), merge)
+    kernel[(num_rows, spec.num_kv_heads, max_splits), DECODE_THREADS, stream](
+        src, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, extra, () if merge is None else (out, xs, counters)
+    )  # fmt: skip
+    if merge is None:
+        attn_combine_kernel(spec.head_dim, split_len, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](
+            o_part, ml_part, seq_lens, out, xs
+        )
 
 
 # -- decode in one launch ----------------------------------------------------------------------
@@ -580,10 +657,15 @@ def ptx_cases():
         cache = types.Array(kv_t, 4, "C")
         for hd, group in ((64, 3), (128, 2), (128, 4)):
             sig = (f2, cache, cache, i2, i1, f4, f4, types.float32)
-            cases.append((f"attn_decode_hd{hd}_g{group}_{kv_t}", make_attn_decode(hd, group, 256), (*sig, plain)))
+            cases.append((f"attn_decode_hd{hd}_g{group}_{kv_t}", make_attn_decode(hd, group, 256), (*sig, plain, plain)))
             inter = group == 4
             name = f"attn_decode_post_{'inter' if inter else 'half'}_hd{hd}_g{group}_{kv_t}"
-            cases.append((name, make_attn_decode(hd, group, 256, post=True, interleaved=inter), (*sig, post)))
+            fn = make_attn_decode(hd, group, 256, post=True, interleaved=inter)
+            cases.append((name, fn, (*sig, post, plain)))
+            for mode, out_t in (("f32", f2), ("q8", types.int8[:, ::1])):  # the merge in the last split
+                merge_t = types.Tuple((out_t, f2, i2))
+                fn = make_attn_decode(hd, group, 32, merge=mode)
+                cases.append((f"attn_decode_merge_{mode}_hd{hd}_g{group}_{kv_t}", fn, (*sig, plain, merge_t)))
             psig = (f2, cache, cache, i2, i1, i1, i1, i1, i1, f2, types.float32, types.int32)
             if group != 4:
                 cases.append((f"attn_prefill_hd{hd}_{kv_t}", make_attn_prefill(hd), psig))

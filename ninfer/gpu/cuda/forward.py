@@ -12,6 +12,9 @@ then the final norm of each sampled row's last token, the LM head and the sample
 q8 steps fold each RMSNorm into the QKV / gate+up GEMV after it and SwiGLU into the down GEMV
 (gemv.gemv_fused: each block builds its int8 input in shared memory while its first weights
 load), where the matrices are small enough (gemv.fusable): three kernels fewer per layer.
+Where they are too large (an 8B model), the same kernels fold into the end of the GEMV before
+them instead (EPILOGUES: gemv.gemv_norm's last block does the RMSNorm once, gemv.gemv_swiglu
+pairs gate and up rows): again three kernels fewer per layer.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import attrs
 
 from ninfer.gpu.cuda import act_quant, attention, embed, flash, gemm, gemv, norm, rope, sampler, swiglu
+from ninfer.gpu.cuda.qdot import WLOAD
 
 
 @attrs.frozen(kw_only=True)
@@ -38,6 +42,19 @@ class StepPlan:
 FUSE_ONE_ROW = True  # gemv_fused for one-token q8 steps (False: the separate kernels, for A/B timing)
 FOLDS = ("attn_norm", "ffn_norm", "swiglu")  # RMSNorm -> QKV, RMSNorm -> gate+up, SwiGLU -> down
 POST_IN_ATTENTION = False  # True: decode steps do rope.qkv_post inside the decode attention (measured neutral)
+# one-row decode steps: the split decode attention merges in its last split where that takes one
+# round of loads (at most attention.MERGE_UNROLL splits; False: always the attn_combine launch).
+# H200, 8B Q8_0 one stream (8 splits), merged vs combine launch: 3.696 vs 3.794 ms a step (2.6 %,
+# near the run-to-run spread). Several rows: unmeasured, so they keep the combine launch.
+MERGE_IN_ATTENTION = True
+EPILOGUES_ONE_ROW = True  # the epilogue folds below for one-token q8 steps (False: separate kernels, for A/B)
+# QKV GEMV + bias / RoPE / K-V write (models without q/k norm), O GEMV + the FFN RMSNorm (last
+# block), gate+up GEMV + SwiGLU, down GEMV + the next layer's RMSNorm
+EPILOGUES = ("qkv_rope", "o_norm", "gate_swiglu", "down_norm")
+# the ones taken by default. H200, 8B Q8_0, one stream (ms a step): none 3.512, qkv_rope 3.580
+# (another run), qkv_rope + gate_swiglu 3.447, all four 3.671-3.696: the last-block RMSNorm
+# costs more than the kernel it saves (every block fences its stores before counting itself)
+DEFAULT_EPILOGUES = ("qkv_rope", "gate_swiglu")
 
 
 class Forward:
@@ -61,6 +78,10 @@ class Forward:
             f for f in FOLDS if self.q8 and all(gemv.fusable(w) for layer in model.layers for w in mats[f](layer))
         )
         self.folds = self.can_fold if FUSE_ONE_ROW else frozenset()
+        # the epilogue folds of one-token q8 steps, where the prologue folds above are not taken
+        # (where a prologue fold is taken, it already removes that kernel)
+        self.can_epilogue = self._epilogues(model, bufs)
+        self.epilogues = self.epilogues_with(self.folds) & set(DEFAULT_EPILOGUES) if EPILOGUES_ONE_ROW else frozenset()
         # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
@@ -69,36 +90,104 @@ class Forward:
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
         self._posts = [self._post_args(layer) for layer in model.layers]
         self.post_in_attention = POST_IN_ATTENTION  # read at launch: set it before the first step
+        self.merge_in_attention = MERGE_IN_ATTENTION
 
     def launch(self, plan: StepPlan, stream) -> None:
         b = self.bufs
         act = "q8" if (self.q8 and plan.act == "q8") else "f32"
         t = plan.num_tokens
         embed.embed(self.model.embed, b.tokens, b.x, t, stream)
-        folds = self.folds if (act == "q8" and t == 1) else frozenset()
-        for i, layer in enumerate(self.model.layers):
+        one = act == "q8" and t == 1
+        folds = self.folds if one else frozenset()
+        epi = self.epilogues if one else frozenset()
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
             attn_norm, ffn_norm = self._norms2d[i]
+            rope_fold = "qkv_rope" in epi  # the QKV GEMV does qkv_post's work itself
             if "attn_norm" in folds:
                 self._fused(layer.wqkv, b.x, attn_norm, b.qkv, None, "norm", stream)
             else:
-                self._norm(layer.attn_norm, t, act, stream)
-                self._linear(layer.wqkv, t, act, b.qkv, None, stream)
-            if not (plan.decode and self.post_in_attention):
+                if i == 0 or "down_norm" not in epi:  # else the previous down GEMV wrote its q8 input
+                    self._norm(layer.attn_norm, t, act, stream)
+                if rope_fold:
+                    self._gemv_rope(i, layer, stream)
+                else:
+                    self._linear(layer.wqkv, t, act, b.qkv, None, stream)
+            post_in_attention = plan.decode and self.post_in_attention and not rope_fold
+            if not (rope_fold or post_in_attention):
                 self._qkv_post(i, t, stream)
-            self._attention(i, plan, act, stream)
-            self._linear((layer.wo,), t, act, b.x, b.x, stream)
+            self._attention(i, plan, act, stream, post_in_attention)
+            if "o_norm" in epi:
+                self._gemv_norm(layer.wo, self._q_in, ffn_norm, stream)
+            else:
+                self._linear((layer.wo,), t, act, b.x, b.x, stream)
             if "ffn_norm" in folds:
                 self._fused(layer.w_gate_up, b.x, ffn_norm, b.gate_up, None, "norm", stream)
             else:
-                self._norm(layer.ffn_norm, t, act, stream)
-                self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
+                if "o_norm" not in epi:
+                    self._norm(layer.ffn_norm, t, act, stream)
+                if "gate_swiglu" in epi:  # h's int8 blocks into row 1 of xq8 / xs: row 0 is this GEMV's input
+                    gemv.gemv_swiglu(layer.w_gate_up[0], *self._q_in, b.xq8[1:2], b.xs[1:2], stream)
+                else:
+                    self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
             if "swiglu" in folds:
                 self._fused((layer.w_down,), b.gate_up, b.dummy_f32, b.x, b.x, "swiglu", stream)
+                continue
+            if "gate_swiglu" in epi:
+                src = self._q_h
             else:
-                out = b.xq8 if act == "q8" else b.h
-                swiglu.swiglu(b.gate_up, out, b.xs, t, act, stream)
+                swiglu.swiglu(b.gate_up, b.xq8 if act == "q8" else b.h, b.xs, t, act, stream)
+                src = self._q_in
+            if "down_norm" in epi and i + 1 < len(layers):
+                self._gemv_norm(layer.w_down, src, self._norms2d[i + 1][0], stream)
+            elif act == "q8":
+                gemv.gemv(layer.w_down, *src, b.x, b.x, t, "q8", stream)
+            else:
                 self._linear((layer.w_down,), t, act, b.x, b.x, stream)
         self._head(plan, stream)
+
+    def _epilogues(self, model, bufs) -> frozenset:
+        """EPILOGUES this model takes: q8 matrices of the split-loop types (Q4_0 / Q4_1 / Q8_0),
+        a fused [gate; up] matrix, and a second token row in the buffers for h."""
+        if not self.q8 or bufs.xq8.shape[0] < 2:
+            return frozenset()
+        d = self.spec.d_model
+        ok = {
+            "qkv_rope": all(len(l.wqkv) == 1 and l.wqkv[0].qtype in WLOAD for l in model.layers)
+            and not self.spec.has_qk_norm,
+            "o_norm": all(l.wo.qtype in WLOAD for l in model.layers) and d % 32 == 0,
+            "down_norm": all(l.w_down.qtype in WLOAD for l in model.layers) and d % 32 == 0,
+            "gate_swiglu": all(len(l.w_gate_up) == 1 and l.w_gate_up[0].qtype in WLOAD for l in model.layers)
+            and self.spec.d_ffn % gemv.SWIGLU_GROUPS == 0,
+        }
+        return frozenset(e for e in EPILOGUES if ok[e])
+
+
+    def epilogues_with(self, folds) -> frozenset:
+        """The epilogue folds that can go with these prologue folds (a prologue fold replaces
+        the kernel pair an epilogue would fold, or runs the GEMV whose epilogue it would be)."""
+        clash = {"qkv_rope": {"attn_norm"}, "o_norm": {"ffn_norm"}, "gate_swiglu": {"ffn_norm", "swiglu"}, "down_norm": {"swiglu", "attn_norm"}}
+        return frozenset(e for e in self.can_epilogue if not clash[e] & set(folds))
+
+    @property
+    def _q_in(self):
+        """Row 0 of the int8 activations and scales: the input of every q8 GEMV of a step."""
+        return self.bufs.xq32, self.bufs.xs
+
+    @property
+    def _q_h(self):
+        """Row 1 of the int8 activations and scales: gemv_swiglu's output, the down GEMV's input."""
+        b = self.bufs
+        return b.xq32[1:2], b.xs[1:2]
+
+    def _gemv_rope(self, i, layer, stream):
+        b, p = self.bufs, self._posts[i]
+        gemv.gemv_rope(self.spec, layer.wqkv[0], *self._q_in, layer.bqkv, self.cos, self.sin, b.tok_pos, b.tok_page,
+                       b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], p.interleaved, stream)  # fmt: skip
+
+    def _gemv_norm(self, w, src, norm_w, stream):
+        b = self.bufs
+        gemv.gemv_norm(w, *src, b.x, norm_w, self.spec.rms_eps, b.xq32[0], b.xs[0], b.counter, stream)
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -144,20 +233,23 @@ class Forward:
         rope.qkv_post(self.spec, p.qkv, p.bias, p.q_norm, p.k_norm, p.cos, p.sin, p.tok_pos, p.tok_page, p.tok_slot, b.q,
                       self.k_pool[i], self.v_pool[i], t, p.has_bias, p.has_qk_norm, stream)  # fmt: skip
 
-    def _attention(self, i, plan, act, stream):
+    def _attention(self, i, plan, act, stream, post_in_attention=False):
         b, spec = self.bufs, self.spec
         if plan.decode:
             out = b.xq8 if act == "q8" else b.h
-            post = self._posts[i] if self.post_in_attention else None  # bias / norms / RoPE / K-V write inside
+            post = self._posts[i] if post_in_attention else None  # bias / norms / RoPE / K-V write inside
             # one launch or split + combine, by the bucket (rows, splits): fixed per graph key
             context = (plan.num_splits or b.o_part.shape[2]) * self.split_len
             if attention.use_one_launch(spec.head_dim, spec.num_kv_heads, plan.num_rows, context):
                 attention.attn_decode_one(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
                                           plan.num_rows, act, stream, post=post)  # fmt: skip
                 return
+            # no combine launch for one row whose last split merges in one round (MERGE_UNROLL splits)
+            merge = self.merge_in_attention and plan.num_rows == 1 and 0 < plan.num_splits <= attention.MERGE_UNROLL
+            counters = b.attn_counters if merge else None
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
                                   b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
-                                  plan.num_splits or None, post=post)  # fmt: skip
+                                  plan.num_splits or None, post=post, counters=counters)  # fmt: skip
             return
         if self._kv_words is not None:
             kw, vw = self._kv_words[i]

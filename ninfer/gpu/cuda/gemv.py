@@ -19,11 +19,12 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, types, uint32
 
-from ninfer.gpu.cuda.act_quant import dequantize_q8_ref, quantize_quad
+from ninfer.gpu.cuda.act_quant import dequantize_q8_ref, quantize_quad, store_q8
 from ninfer.gpu.cuda.dequant import DQ_WORD
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2,
+    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_f32_cg, ld4_u32, prefetch_l2,
 )
+from ninfer.gpu.cuda.rope import pair_elems, store_pair
 from ninfer.gpu.cuda.swiglu import silu_mul
 from ninfer.gpu.cuda.qdot import QDOT, WDOT, WLOAD, WCOMP, WORDS, act_block
 
@@ -133,16 +134,44 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int
     return _make_gemv_split(qtype, lanes, R, unroll, prefetch) if qtype in WLOAD else gemv_rows
 
 
-def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool):
-    """`gemv_rows` for Q4_0 / Q4_1 / Q8_0 with every load of an iteration (unroll activation
-    blocks, R x unroll weight blocks) issued before any arithmetic (qdot.WLOAD / WCOMP)."""
+def _make_split_loop(qtype: str, lanes: int, R: int, U: int):
+    """Device function: a lane group's dot products over its R weight rows row0, row0 +
+    rstride, ... (clamped to last_row) with activation row 0 of xa / xs, into acc[0:R]; every
+    load of an iteration (U activation blocks, R x U weight blocks) before any arithmetic
+    (qdot.WLOAD / WCOMP). W, S, A, X: the caller's register arrays (sizes from `_split_arrays`)."""
     wload, wcomp = WLOAD[qtype], WCOMP[qtype]
+
+    @device
+    def split_loop(qs, d16, xa, xs, row0, rstride, last_row, sub, num_blocks, acc, W, S, A, X):
+        last = num_blocks - 1
+        for blk0 in range(sub, num_blocks, lanes * U):
+            for u in range(U):
+                bb = min(blk0 + u * lanes, last)
+                A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32(xa, 0, 8 * bb)
+                A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32(xa, 0, 8 * bb + 4)
+                X[2 * u], X[2 * u + 1] = ld2_f32(xs, 0, 2 * bb)
+                for r in range(R):
+                    wload(qs, d16, min(row0 + r * rstride, last_row), bb, W, S, u * R + r)
+            for u in range(U):
+                f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
+                for r in range(R):
+                    acc[r] += f * wcomp(W, S, u * R + r, A, X, u)
+
+    return split_loop
+
+
+def _split_arrays(qtype: str, R: int, U: int) -> tuple[int, int, int, int]:
+    """Sizes of split_loop's register arrays W (weight words), S (block scales), A (activation
+    words), X (activation scales)."""
+    return WORDS[qtype] * U * R, 2 * U * R, 8 * U, 2 * U
+
+
+def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool):
+    """`gemv_rows` for Q4_0 / Q4_1 / Q8_0 with every load of an iteration issued before any
+    arithmetic (`_make_split_loop`)."""
     rows_per_warp = (32 // lanes) * R
-    U = unroll
-    nw = WORDS[qtype] * U * R
-    ns = 2 * U * R
-    na = 8 * U
-    nx = 2 * U
+    nw, ns, na, nx = _split_arrays(qtype, R, unroll)
+    loop = _make_split_loop(qtype, lanes, R, unroll)
 
     def gemv_split(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
         lane = cuda.threadIdx.x % 32
@@ -157,25 +186,13 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
         for r in range(R):
             acc[r] = float32(0.0)
         if row0 < num_rows:
-            last = num_blocks - 1
             last_row = num_rows - 1
             if prefetch:  # the lane's whole share of its rows on its way to L2 before any load
                 wpb = qs.shape[1] // num_blocks
                 for b in range(sub, num_blocks, lanes):
                     for r in range(R):
                         prefetch_l2(qs, min(row0 + r, last_row), wpb * b)
-            for blk0 in range(sub, num_blocks, lanes * U):
-                for u in range(U):
-                    bb = min(blk0 + u * lanes, last)
-                    A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32(xa, 0, 8 * bb)
-                    A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32(xa, 0, 8 * bb + 4)
-                    X[2 * u], X[2 * u + 1] = ld2_f32(xs, 0, 2 * bb)
-                    for r in range(R):
-                        wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
-                for u in range(U):
-                    f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
-                    for r in range(R):
-                        acc[r] += f * wcomp(W, S, u * R + r, A, X, u)
+            loop(qs, d16, xa, xs, row0, 1, last_row, sub, num_blocks, acc, W, S, A, X)
         for r in range(R):
             row = row0 + r
             v = group_sum(acc[r], lanes)  # every thread takes part in the shuffles
@@ -185,6 +202,269 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
                 out[0, row] = v
 
     return gemv_split
+
+
+# -- one activation row with its consumer's input built in the epilogue ------------------------
+#
+# For matrices too large for `gemv_fused` (every block would rebuild a 16-56 KB row), the
+# kernel that follows a GEMV is folded into the GEMV's end instead, where it is done once:
+#
+# * `gemv_norm` (the O and down projections): x += xa @ w.T, then the last block to finish
+#   (an atomic counter; each block fences its stores first) computes RMSNorm(x) * w_norm and
+#   its int8 blocks for the next GEMV, and resets the counter for the next launch;
+# * `gemv_swiglu` (gate+up): each lane group owns gate row j and up row j + F, so its sums
+#   give h_j = silu(g_j) * u_j directly; a block holds 32 consecutive j (32 groups of `lanes`
+#   threads) and one warp quantizes them into the next GEMV's int8 block.
+#
+# Either saves a launch and a DRAM-latency-bound small kernel per use (forward.py EPILOGUES).
+
+SWIGLU_GROUPS = 32  # lane groups of a gemv_swiglu block: one 32-column int8 block of h
+SWIGLU_LANES = 2 if SIMULATOR else 8
+
+
+def _make_gemv_norm(qtype: str, lanes: int, R: int, U: int, width: int, threads: int = THREADS):
+    """One activation row, residual in place (out is x), then the last block: q8(rmsnorm(x))."""
+    rows_per_warp = (32 // lanes) * R
+    nw, ns, na, nx = _split_arrays(qtype, R, U)
+    loop = _make_split_loop(qtype, lanes, R, U)
+    row_norm = _make_row_norm(width, threads)
+
+    def gemv_norm(qs, d16, aux, sc8, xa, xs, out, num_rows, num_blocks, nwt, eps, q_out, s_out, counter):
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = (cuda.blockIdx.y * cuda.blockDim.x + tid) // 32
+        row0 = warp * rows_per_warp + (lane // lanes) * R
+        sub = lane % lanes
+        acc = cuda.local.array(R, float32)
+        W = cuda.local.array(nw, uint32)
+        S = cuda.local.array(ns, float32)
+        A = cuda.local.array(na, uint32)
+        X = cuda.local.array(nx, float32)
+        flag = cuda.shared.array(1, int32)
+        scratch = cuda.shared.array(33, float32)
+        for r in range(R):
+            acc[r] = float32(0.0)
+        if row0 < num_rows:
+            loop(qs, d16, xa, xs, row0, 1, num_rows - 1, sub, num_blocks, acc, W, S, A, X)
+        for r in range(R):
+            row = row0 + r
+            v = group_sum(acc[r], lanes)
+            if sub == 0 and row < num_rows:
+                out[0, row] += v
+        cuda.threadfence()  # this block's rows of x visible to the last block
+        cuda.syncthreads()
+        if tid == 0:
+            flag[0] = int32(1) if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.y - 1 else int32(0)
+        cuda.syncthreads()
+        if flag[0] == 1:  # block-uniform: every other block has stored its rows
+            cuda.threadfence()
+            row_norm(out, nwt, eps, q_out, s_out, scratch)
+            if tid == 0:
+                counter[0] = 0
+
+    return gemv_norm
+
+
+def _make_row_norm(cols: int, threads: int):
+    """Device function for gemv_norm's last block: q8(rmsnorm(src row 0) * nwt) into the
+    global q_out (cols / 4 int8x4 words) and s_out, norm.py's arithmetic. src was written by
+    the kernel's other blocks, so it is read from L2 (ld4_f32_cg, kept in order), every load
+    before any use: the tail waits one round trip, not one per quad. The GEMV's registers are
+    dead by then, so holding the thread's 4 x chunks values costs no occupancy."""
+    quads = cols // 4
+    chunks = -(-quads // threads)
+    n = 4 * chunks
+
+    @device
+    def row_norm(src, nwt, eps, q_out, s_out, scratch):
+        tid = cuda.threadIdx.x
+        xv = cuda.local.array(n, float32)
+        for c in range(chunks):
+            col = 4 * min(tid + threads * c, quads - 1)  # past the row: a repeated quad, never stored
+            xv[4 * c], xv[4 * c + 1], xv[4 * c + 2], xv[4 * c + 3] = ld4_f32_cg(src, 0, col)
+        ss = float32(0.0)
+        for c in range(chunks):
+            if tid + threads * c < quads:
+                v0, v1, v2, v3 = xv[4 * c], xv[4 * c + 1], xv[4 * c + 2], xv[4 * c + 3]
+                ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
+        r = float32(1.0) / math.sqrt(block_sum(ss, scratch) / float32(cols) + eps)
+        for c in range(chunks):
+            qd = tid + threads * c
+            w0, w1, w2, w3 = ld4_f32(nwt, 0, 4 * min(qd, quads - 1))
+            v0, v1 = xv[4 * c] * r * w0, xv[4 * c + 1] * r * w1
+            v2, v3 = xv[4 * c + 2] * r * w2, xv[4 * c + 3] * r * w3
+            _store_quad(v0, v1, v2, v3, qd, qd < quads, q_out, s_out)
+
+    return row_norm
+
+
+def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
+    """Gate row j and up row j + F (F = num_f) per lane group, SWIGLU_GROUPS groups a block."""
+    nw, ns, na, nx = _split_arrays(qtype, 2, U)
+    loop = _make_split_loop(qtype, lanes, 2, U)
+    groups = SWIGLU_GROUPS
+    qwarps = groups // 32
+
+    def gemv_swiglu(qs, d16, aux, sc8, xa, xs, num_f, num_blocks, q_out, s_out):
+        tid = cuda.threadIdx.x
+        gi = tid // lanes
+        sub = tid % lanes
+        j = cuda.blockIdx.y * groups + gi
+        acc = cuda.local.array(2, float32)
+        W = cuda.local.array(nw, uint32)
+        S = cuda.local.array(ns, float32)
+        A = cuda.local.array(na, uint32)
+        X = cuda.local.array(nx, float32)
+        h_sh = cuda.shared.array(groups, float32)
+        acc[0] = float32(0.0)
+        acc[1] = float32(0.0)
+        if j < num_f:
+            loop(qs, d16, xa, xs, j, num_f, 2 * num_f - 1, sub, num_blocks, acc, W, S, A, X)
+        g = group_sum(acc[0], lanes)
+        u = group_sum(acc[1], lanes)
+        if sub == 0:
+            h_sh[gi] = silu_mul(g, u)
+        cuda.syncthreads()
+        w = tid // 32
+        if w < qwarps:  # warp-uniform: the block's int8 blocks of h
+            c = cuda.blockIdx.y * qwarps + w
+            store_q8(h_sh[32 * w + tid % 32], 32 * c < num_f, q_out, s_out, 0, c, tid % 32)
+
+    return gemv_swiglu
+
+
+def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: bool, threads: int = THREADS):
+    """The fused QKV GEMV with rope.qkv_post's work for one token of a model without q/k
+    norm: each lane group owns one rotated pair (rows j hd + ea, j hd + eb of head j), adds
+    the bias, rotates q and k heads, and stores q to q_out and k / v into the pools at the
+    token's page and slot."""
+    nw, ns, na, nx = _split_arrays(qtype, 2, U)
+    loop = _make_split_loop(qtype, lanes, 2, U)
+    half = head_dim // 2
+    pairs_per_block = threads // lanes
+    stride = 1 if interleaved else half  # row eb - row ea
+
+    def gemv_rope(qs, d16, aux, sc8, xa, xs, num_blocks, bias, has_bias, cos, sin, tok_pos, tok_page, tok_slot,
+                  q_out, k_cache, v_cache, num_heads, num_kv_heads):  # fmt: skip
+        tid = cuda.threadIdx.x
+        p = cuda.blockIdx.y * pairs_per_block + tid // lanes  # the rotated pair
+        sub = tid % lanes
+        j = p // half  # the head: q heads, then k, then v
+        i = p % half
+        ea, eb = pair_elems(i, half, interleaved)
+        num_pairs = (num_heads + 2 * num_kv_heads) * half
+        row_a = j * head_dim + ea
+        acc = cuda.local.array(2, float32)
+        W = cuda.local.array(nw, uint32)
+        S = cuda.local.array(ns, float32)
+        A = cuda.local.array(na, uint32)
+        X = cuda.local.array(nx, float32)
+        acc[0] = float32(0.0)
+        acc[1] = float32(0.0)
+        if p < num_pairs:
+            loop(qs, d16, xa, xs, row_a, stride, 2 * num_pairs - 1, sub, num_blocks, acc, W, S, A, X)
+        a = group_sum(acc[0], lanes)
+        b = group_sum(acc[1], lanes)
+        if sub == 0 and p < num_pairs:
+            if has_bias:
+                a += bias[row_a]
+                b += bias[row_a + stride]
+            page = tok_page[0]
+            slot = tok_slot[0]
+            if j >= num_heads + num_kv_heads:
+                store_pair(v_cache, page, slot, j - num_heads - num_kv_heads, ea, eb, a, b)
+            else:
+                pos = tok_pos[0]
+                c = cos[pos, i]
+                sn = sin[pos, i]
+                ra = a * c - b * sn
+                rb = b * c + a * sn
+                if j < num_heads:
+                    q_out[0, row_a] = ra
+                    q_out[0, row_a + stride] = rb
+                else:
+                    store_pair(k_cache, page, slot, j - num_heads, ea, eb, ra, rb)
+
+    return gemv_rope
+
+
+@functools.cache
+def gemv_rope_kernel(qtype: str, lanes: int, unroll: int, head_dim: int, interleaved: bool):
+    return cuda.jit(_make_gemv_rope(qtype, lanes, unroll, head_dim, interleaved))
+
+
+ROPE_UNROLL = 2  # two rows a group (the pair): (2, 2) timed best for the 8B QKV in Q4_1 and Q8_0
+
+
+def gemv_rope(spec, w, xa, xs, bias, cos, sin, tok_pos, tok_page, tok_slot, q_out, k_cache, v_cache,
+              interleaved=False, stream=0, lanes: int | None = None) -> None:  # fmt: skip
+    """q_out[0] and the K / V pools at token 0's (page, slot) = rope.qkv_post of
+    q8 row 0 (xa, xs) @ w.T, for a fused QKV matrix `w` of a model without q/k norm (`bias`
+    None or the fused QKV bias)."""
+    lanes = lanes or lanes_for(w.num_blocks)
+    pairs_per_block = THREADS // lanes
+    num_pairs = w.rows // 2
+    kernel = gemv_rope_kernel(w.qtype, lanes, ROPE_UNROLL, spec.head_dim, interleaved)
+    has_bias = bias is not None
+    kernel[(1, -(-num_pairs // pairs_per_block)), THREADS, stream](
+        *w.planes, xa, xs, w.num_blocks, bias if has_bias else cos[0], has_bias, cos, sin, tok_pos, tok_page, tok_slot,
+        q_out, k_cache, v_cache, spec.num_heads, spec.num_kv_heads,
+    )  # fmt: skip
+
+
+@functools.cache
+def gemv_norm_kernel(qtype: str, lanes: int, rows_per_group: int, unroll: int, width: int):
+    return cuda.jit(_make_gemv_norm(qtype, lanes, rows_per_group, unroll, width))
+
+
+@functools.cache
+def gemv_swiglu_kernel(qtype: str, lanes: int, unroll: int):
+    return cuda.jit(_make_gemv_swiglu(qtype, lanes, unroll))
+
+
+def gemv_norm(w, xa, xs, x, norm_w, eps, q_out, s_out, counter, stream=0, lanes: int | None = None) -> None:
+    """x[0] += q8 row 0 (xa, xs) @ w.T, then q_out / s_out (1-D: the next GEMV's int8 words and
+    scales of row 0) = q8(rmsnorm(x[0]) * norm_w[0]). `counter`: int32 [1], zero, left zero.
+    q_out must not alias xa / xs' row 0 ... unless every block has read them: it may (the last
+    block writes only after all others counted themselves done)."""
+    lanes = lanes or lanes_for(w.num_blocks)
+    _, rpg, unroll, _ = shape_for(w.qtype, "q8", w.num_blocks, 1, w.rows)
+    unroll = unroll or 2  # the simulator's shape: one row a group, two blocks an iteration
+    rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
+    grid = (1, -(-w.rows // rows_per_block))
+    kernel = gemv_norm_kernel(w.qtype, lanes, rpg, unroll, w.rows)
+    kernel[grid, THREADS, stream](*w.planes, xa, xs, x, w.rows, w.num_blocks, norm_w, np.float32(eps), q_out, s_out,
+                                  counter)  # fmt: skip
+
+
+def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None) -> None:
+    """h = silu(g) * u of (g | u) = q8 row 0 (xa, xs) @ w.T for the fused [gate; up] matrix w
+    (2F rows), quantized into q_out (int8 [>= 1, F]) and s_out row 0."""
+    lanes = lanes or SWIGLU_LANES
+    num_f = w.rows // 2
+    kernel = gemv_swiglu_kernel(w.qtype, lanes, SWIGLU_UNROLL)
+    kernel[(1, -(-num_f // SWIGLU_GROUPS)), SWIGLU_GROUPS * lanes, stream](*w.planes, xa, xs, num_f, w.num_blocks,
+                                                                           q_out, s_out)  # fmt: skip
+
+
+SWIGLU_UNROLL = 2
+
+
+def gemv_norm_ref(w_f32, xq8, xs, x, norm_w, eps):
+    """float64 reference: (x + product, and the q8 rmsnorm of it as the norm kernel gives)."""
+    from ninfer.gpu.cuda.norm import rmsnorm_ref
+
+    y = gemv_q8_ref(w_f32, xq8, xs, x)
+    _, q, s = rmsnorm_ref(y.astype(np.float32), None, np.asarray(norm_w).reshape(-1), eps, None, "q8")
+    return y, q, s
+
+
+def gemv_swiglu_ref(w_f32, xq8, xs):
+    """The separate kernels' references chained: the GEMV's product, then swiglu_ref's q8."""
+    from ninfer.gpu.cuda.swiglu import swiglu_ref
+
+    gu = gemv_q8_ref(w_f32, xq8, xs, None)
+    return swiglu_ref(gu.astype(np.float32), "q8")
 
 
 # -- one activation row with its producer folded in -------------------------------------------
@@ -379,11 +659,17 @@ def shape_for(qtype: str, mode: str, num_blocks: int, num_m: int, rows: int = 0)
     lanes = lanes_for(num_blocks)
     if SIMULATOR or mode != "q8" or num_m != 1 or rows >= TALL_ROWS:
         return lanes, 1, 0, False
+    if num_blocks >= WIDE_BLOCKS and qtype in WIDE_SHAPE:
+        return lanes, *WIDE_SHAPE[qtype], False
     return lanes, ONE_ROW_SHAPE[0], ONE_ROW_SHAPE[1], False
 
 
 ONE_ROW_SHAPE = (2, 4)  # (rows per lane group, unroll) of the q8 one-activation-row GEMV
 TALL_ROWS = 65536  # from this many rows up, one row per lane group
+# rows of >= 4,096 columns (an 8B model's linears): of 11 shapes gemv_tune timed on the H200
+# (2026-12-03, fourth session), the least time over the four 8B linears together
+WIDE_BLOCKS = 128
+WIDE_SHAPE = {"Q4_0": (2, 2), "Q4_1": (2, 2), "Q8_0": (1, 4)}
 
 
 def lanes_for(num_blocks: int) -> int:
@@ -459,6 +745,18 @@ def ptx_cases():
                 cases.append((f"gemv_q8_{qtype}_l8_m8_pf", make_gemv(qtype, mode, 8, 8, 1, 0, True), sig))
                 cases.append((f"gemv_q8_{qtype}_l32_m1_u8_pf", make_gemv(qtype, mode, 32, 1, 1, 8, True), sig))
     f2 = types.float32[:, ::1]
+    u2 = types.uint32[:, ::1]
+    for qtype in WLOAD:  # the epilogue folds at the 8B widths (their own shapes, as gemv_norm / gemv_swiglu pick)
+        norm_sig = (*plane_types(qtype), u2, f2, f2, int32, int32, f2, types.float32, types.uint32[::1],
+                    types.float32[::1], types.int32[::1])  # fmt: skip
+        _, rpg, unroll, _ = shape_for(qtype, "q8", 128, 1, 4096)
+        cases.append((f"gemv_norm_{qtype}_w4096", _make_gemv_norm(qtype, 32, rpg, unroll, 4096), norm_sig))
+        swiglu_sig = (*plane_types(qtype), u2, f2, int32, int32, types.int8[:, ::1], f2)
+        cases.append((f"gemv_swiglu_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL), swiglu_sig))
+        f1, i1, cache = types.float32[::1], types.int32[::1], types.float16[:, :, :, ::1]
+        rope_sig = (*plane_types(qtype), u2, f2, int32, f1, types.boolean, f2, f2, i1, i1, i1, f2, cache, cache, int32,
+                    int32)  # fmt: skip
+        cases.append((f"gemv_rope_{qtype}_hd128", _make_gemv_rope(qtype, 32, ROPE_UNROLL, 128, False), rope_sig))
     for qtype in WLOAD:
         sig = (*plane_types(qtype), f2, f2, f2, f2, int32, types.float32, types.boolean)
         for prologue, lanes, cols in (("norm", 16, 576), ("swiglu", 32, 1536), ("norm", 32, 4096), ("swiglu", 32, 14336)):

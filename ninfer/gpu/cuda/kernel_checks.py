@@ -140,6 +140,75 @@ def check_gemv_fused(scale, rng):
             _close(out.copy_to_host(), want, 2e-3, f"gemv_fused {prologue} {q}")
 
 
+def check_gemv_epilogue(scale, rng):
+    """gemv_norm (x += the product, then the last block's q8 RMSNorm of the whole row) and
+    gemv_swiglu (h = silu(gate) * up from paired rows, quantized) against the references:
+    the q8 GEMV's product, then norm.rmsnorm_ref of the x the kernel wrote (codes may differ by
+    one on a rounding boundary) / swiglu_ref of the reference product. Each runs twice: the
+    last-block counter must be left at zero for the next launch."""
+    from ninfer.gpu.cuda.norm import rmsnorm_ref
+
+    tiny = scale == "tiny"
+    counter = _dev(np.zeros(1, np.int32))
+    for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
+        cols = 64 if tiny else (4096, 14336, 4096)[i]
+        rows = 96 if tiny else 4096
+        t = random_stored(q, rows, cols, rng)
+        w = _weight(pack_tensor(t))
+        nw = (1 + 0.1 * rng.standard_normal((1, rows))).astype(np.float32)
+        for rep in range(2):
+            xq, xs = act_quant.quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+            x = (rng.standard_normal((2, rows)) * 3).astype(np.float32)
+            d_x = _dev(x)
+            q_out, s_out = _poisoned((1, rows // 4), np.uint32), _poisoned((1, rows // 16))
+            gemv.gemv_norm(w, _dev(xq.view(np.uint32)), _dev(xs), d_x, _dev(nw), 1e-5, q_out[0], s_out[0], counter)
+            got_x = d_x.copy_to_host()
+            _close(got_x[:1], gemv.gemv_q8_ref(t.dequantize(), xq, xs, x[:1]), 2e-5, f"gemv_norm {q} x ({rep})")
+            _close(got_x[1:], x[1:], 0.0, f"gemv_norm {q} other rows")
+            _, want_q, want_s = rmsnorm_ref(got_x[:1], None, nw.reshape(-1), 1e-5, None, "q8")
+            _check_q8(q_out.copy_to_host().view(np.int8), s_out.copy_to_host(), want_q, want_s, f"gemv_norm {q} q8 ({rep})")
+            if counter.copy_to_host()[0] != 0:
+                raise AssertionError(f"gemv_norm {q}: the last-block counter was left at {counter.copy_to_host()[0]}")
+        f = 64 if tiny else 2048
+        t = random_stored(q, 2 * f, cols, rng)
+        w = _weight(pack_tensor(t))
+        for rep in range(2):
+            xq, xs = act_quant.quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+            hq, hs = _poisoned((1, f), np.int8), _poisoned((1, f // 16))
+            gemv.gemv_swiglu(w, _dev(xq.view(np.uint32)), _dev(xs), hq, hs)
+            want_q, want_s = gemv.gemv_swiglu_ref(t.dequantize(), xq, xs)
+            _check_q8(hq.copy_to_host(), hs.copy_to_host(), want_q, want_s, f"gemv_swiglu {q} ({rep})")
+        _check_gemv_rope(q, tiny, rng, has_bias=i == 1)
+
+
+def _check_gemv_rope(q, tiny, rng, has_bias):
+    """gemv_rope against the q8 GEMV's product through rope.qkv_post_ref: q, and the pools with
+    the token's K / V at (page, slot) and nothing else changed (float32 pools)."""
+    from ninfer.gpu.reference import rope_angles
+
+    spec = _spec("tiny" if tiny else "real", num_heads=4 if tiny else 32, num_kv_heads=2 if tiny else 8,
+                 head_dim=32 if tiny else 128)  # fmt: skip
+    cols = 64 if tiny else 4096
+    rows = spec.q_dim + 2 * spec.kv_dim
+    t = random_stored(q, rows, cols, rng)
+    xq, xs = act_quant.quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+    bias = rng.standard_normal(rows).astype(np.float32) if has_bias else None
+    cos, sin = rope_angles(spec, np.arange(spec.max_context))
+    pos, page, slot = np.array([spec.max_context - 3], np.int32), np.array([2], np.int32), np.array([1], np.int32)
+    pools = [rng.standard_normal((4, 4, spec.num_kv_heads, spec.head_dim)).astype(np.float32) for _ in range(2)]
+    d_k, d_v = _dev(pools[0]), _dev(pools[1])
+    q_out = _poisoned((2, spec.q_dim))
+    gemv.gemv_rope(spec, _weight(pack_tensor(t)), _dev(xq.view(np.uint32)), _dev(xs), None if bias is None else _dev(bias),
+                   _dev(cos), _dev(sin), _dev(pos), _dev(page), _dev(slot), q_out, d_k, d_v)  # fmt: skip
+    qkv = gemv.gemv_q8_ref(t.dequantize(), xq, xs, None).astype(np.float32)
+    want_q, want_k, want_v = rope.qkv_post_ref(spec, qkv, bias, None, None, cos, sin, pos)
+    _close(q_out.copy_to_host()[:1], want_q, 2e-5, f"gemv_rope {q} q")
+    for name, got, old, want in (("k", d_k, pools[0], want_k), ("v", d_v, pools[1], want_v)):
+        old = old.copy()
+        old[page[0], slot[0]] = want[0]
+        _close(got.copy_to_host(), old, 2e-5, f"gemv_rope {q} {name} pool")
+
+
 def check_gemv_f32(scale, rng):
     tiny = scale == "tiny"
     for i, q in enumerate(DEVICE_QTYPES):
@@ -322,6 +391,18 @@ def check_attn_decode(scale, rng):
         out, xs = _attn_out(spec, len(lengths), mode)
         attention.attn_decode(spec, *args, o_part, ml, out, xs, len(lengths), split, mode)
         _check_attn(out, xs, want, mode, f"attn_decode g{group}")
+        # merged by the last split (no combine launch), twice: the counters must be left at zero;
+        # tiny: splits of 4, so a row of 40 merges 10 splits (two MERGE_UNROLL rounds)
+        msplit = 4 if tiny else split
+        mshape = (len(lengths), spec.num_heads, -(-max(lengths) // msplit))
+        counters = _dev(np.zeros((len(lengths), spec.num_kv_heads), np.int32))
+        for m in ("f32", "q8"):
+            out, xs = _attn_out(spec, len(lengths), m)
+            attention.attn_decode(spec, *args, _poisoned((*mshape, spec.head_dim)), _poisoned((*mshape, 2)), out, xs,
+                                  len(lengths), msplit, m, counters=counters)  # fmt: skip
+            _check_attn(out, xs, want, m, f"attn_decode merged g{group} {m}")
+            if counters.copy_to_host().any():
+                raise AssertionError(f"attn_decode merged: counters left at {counters.copy_to_host().tolist()}")
         for warps, ch in ((2, 1), (4, 2)) if tiny else ((None, None), (16, 1), (4, 4)):
             for m in ("f32", "q8"):
                 out, xs = _attn_out(spec, len(lengths), m)
@@ -663,6 +744,19 @@ def check_runner(scale, rng):
             one.forward.post_in_attention = True
             _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             one.close()
+            # the 8B path: no prologue fold, the epilogue folds instead (gemv_norm, gemv_swiglu,
+            # and gemv_rope where there is no q/k norm: a llama model too)
+            llama = random_spec("tiny", arch="llama")
+            for e_spec, e_model in ((spec, model), (llama, random_model(llama, "Q4_1", seed=int(rng.integers(1 << 30))))):
+                epi = CudaRunner(e_model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
+                                 split_len=8)  # fmt: skip
+                epi.forward.folds = frozenset()
+                epi.forward.epilogues = epi.forward.epilogues_with(frozenset())
+                want = set(forward.EPILOGUES) - ({"qkv_rope"} if e_spec.has_qk_norm else set())
+                if epi.forward.epilogues != want:
+                    raise AssertionError(f"{e_spec.arch}: epilogues {sorted(epi.forward.epilogues)}, not {sorted(want)}")
+                _compare_one_row(epi, ReferenceRunner(e_model, num_pages=8, page_size=4), e_spec, rng, rtol)
+                epi.close()
 
 
 def _compare_one_row(cuda_runner, ref_runner, spec, rng, rtol, steps=3):
