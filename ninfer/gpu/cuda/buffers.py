@@ -73,7 +73,6 @@ class StepBuffers:
         self.masks = _dev((r, (spec.vocab_size + 31) // 32), np.uint32)
         # outputs in one int32 allocation: tokens [r] | logprob bits [r] | top ids [r, K] | top bits [r, K]
         self.out = _dev(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
-        self.counter = cuda.to_device(np.zeros(1, np.int32))  # gemv_norm's last-block count (kept 0)
         self.attn_counters = cuda.to_device(np.zeros((r, spec.num_kv_heads), np.int32))  # attn_decode's merge
         self.dummy_f32 = _dev((1, 1), np.float32)
         self.dummy_f1 = _dev(1, np.float32)

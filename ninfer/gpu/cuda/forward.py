@@ -12,9 +12,9 @@ then the final norm of each sampled row's last token, the LM head and the sample
 q8 steps fold each RMSNorm into the QKV / gate+up GEMV after it and SwiGLU into the down GEMV
 (gemv.gemv_fused: each block builds its int8 input in shared memory while its first weights
 load), where the matrices are small enough (gemv.fusable): three kernels fewer per layer.
-Where they are too large (an 8B model), the same kernels fold into the end of the GEMV before
-them instead (EPILOGUES: gemv.gemv_norm's last block does the RMSNorm once, gemv.gemv_swiglu
-pairs gate and up rows): again three kernels fewer per layer.
+Where they are too large (an 8B model), small kernels fold into the end of the GEMV before them
+instead (EPILOGUES: gemv.gemv_rope does bias / RoPE / K-V write, gemv.gemv_swiglu pairs gate
+and up rows), and the split decode attention merges its splits itself: three kernels fewer.
 """
 
 from __future__ import annotations
@@ -48,13 +48,9 @@ POST_IN_ATTENTION = False  # True: decode steps do rope.qkv_post inside the deco
 # near the run-to-run spread). Several rows: unmeasured, so they keep the combine launch.
 MERGE_IN_ATTENTION = True
 EPILOGUES_ONE_ROW = True  # the epilogue folds below for one-token q8 steps (False: separate kernels, for A/B)
-# QKV GEMV + bias / RoPE / K-V write (models without q/k norm), O GEMV + the FFN RMSNorm (last
-# block), gate+up GEMV + SwiGLU, down GEMV + the next layer's RMSNorm
-EPILOGUES = ("qkv_rope", "o_norm", "gate_swiglu", "down_norm")
-# the ones taken by default. H200, 8B Q8_0, one stream (ms a step): none 3.512, qkv_rope 3.580
-# (another run), qkv_rope + gate_swiglu 3.447, all four 3.671-3.696: the last-block RMSNorm
-# costs more than the kernel it saves (every block fences its stores before counting itself)
-DEFAULT_EPILOGUES = ("qkv_rope", "gate_swiglu")
+# QKV GEMV + bias / RoPE / K-V write (models without q/k norm), gate+up GEMV + SwiGLU. H200, 8B
+# Q8_0, one stream, ms a step: neither 3.512, qkv_rope 3.580 (another run), both 3.447
+EPILOGUES = ("qkv_rope", "gate_swiglu")
 
 
 class Forward:
@@ -81,7 +77,7 @@ class Forward:
         # the epilogue folds of one-token q8 steps, where the prologue folds above are not taken
         # (where a prologue fold is taken, it already removes that kernel)
         self.can_epilogue = self._epilogues(model, bufs)
-        self.epilogues = self.epilogues_with(self.folds) & set(DEFAULT_EPILOGUES) if EPILOGUES_ONE_ROW else frozenset()
+        self.epilogues = self.epilogues_with(self.folds) if EPILOGUES_ONE_ROW else frozenset()
         # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
@@ -100,15 +96,13 @@ class Forward:
         one = act == "q8" and t == 1
         folds = self.folds if one else frozenset()
         epi = self.epilogues if one else frozenset()
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(self.model.layers):
             attn_norm, ffn_norm = self._norms2d[i]
             rope_fold = "qkv_rope" in epi  # the QKV GEMV does qkv_post's work itself
             if "attn_norm" in folds:
                 self._fused(layer.wqkv, b.x, attn_norm, b.qkv, None, "norm", stream)
             else:
-                if i == 0 or "down_norm" not in epi:  # else the previous down GEMV wrote its q8 input
-                    self._norm(layer.attn_norm, t, act, stream)
+                self._norm(layer.attn_norm, t, act, stream)
                 if rope_fold:
                     self._gemv_rope(i, layer, stream)
                 else:
@@ -117,15 +111,11 @@ class Forward:
             if not (rope_fold or post_in_attention):
                 self._qkv_post(i, t, stream)
             self._attention(i, plan, act, stream, post_in_attention)
-            if "o_norm" in epi:
-                self._gemv_norm(layer.wo, self._q_in, ffn_norm, stream)
-            else:
-                self._linear((layer.wo,), t, act, b.x, b.x, stream)
+            self._linear((layer.wo,), t, act, b.x, b.x, stream)
             if "ffn_norm" in folds:
                 self._fused(layer.w_gate_up, b.x, ffn_norm, b.gate_up, None, "norm", stream)
             else:
-                if "o_norm" not in epi:
-                    self._norm(layer.ffn_norm, t, act, stream)
+                self._norm(layer.ffn_norm, t, act, stream)
                 if "gate_swiglu" in epi:  # h's int8 blocks into row 1 of xq8 / xs: row 0 is this GEMV's input
                     gemv.gemv_swiglu(layer.w_gate_up[0], *self._q_in, b.xq8[1:2], b.xs[1:2], stream)
                 else:
@@ -133,16 +123,10 @@ class Forward:
             if "swiglu" in folds:
                 self._fused((layer.w_down,), b.gate_up, b.dummy_f32, b.x, b.x, "swiglu", stream)
                 continue
-            if "gate_swiglu" in epi:
-                src = self._q_h
+            if "gate_swiglu" in epi:  # the down GEMV reads h from row 1
+                gemv.gemv(layer.w_down, b.xq32[1:2], b.xs[1:2], b.x, b.x, 1, "q8", stream)
             else:
                 swiglu.swiglu(b.gate_up, b.xq8 if act == "q8" else b.h, b.xs, t, act, stream)
-                src = self._q_in
-            if "down_norm" in epi and i + 1 < len(layers):
-                self._gemv_norm(layer.w_down, src, self._norms2d[i + 1][0], stream)
-            elif act == "q8":
-                gemv.gemv(layer.w_down, *src, b.x, b.x, t, "q8", stream)
-            else:
                 self._linear((layer.w_down,), t, act, b.x, b.x, stream)
         self._head(plan, stream)
 
@@ -151,12 +135,9 @@ class Forward:
         a fused [gate; up] matrix, and a second token row in the buffers for h."""
         if not self.q8 or bufs.xq8.shape[0] < 2:
             return frozenset()
-        d = self.spec.d_model
         ok = {
             "qkv_rope": all(len(l.wqkv) == 1 and l.wqkv[0].qtype in WLOAD for l in model.layers)
             and not self.spec.has_qk_norm,
-            "o_norm": all(l.wo.qtype in WLOAD for l in model.layers) and d % 32 == 0,
-            "down_norm": all(l.w_down.qtype in WLOAD for l in model.layers) and d % 32 == 0,
             "gate_swiglu": all(len(l.w_gate_up) == 1 and l.w_gate_up[0].qtype in WLOAD for l in model.layers)
             and self.spec.d_ffn % gemv.SWIGLU_GROUPS == 0,
         }
@@ -166,7 +147,7 @@ class Forward:
     def epilogues_with(self, folds) -> frozenset:
         """The epilogue folds that can go with these prologue folds (a prologue fold replaces
         the kernel pair an epilogue would fold, or runs the GEMV whose epilogue it would be)."""
-        clash = {"qkv_rope": {"attn_norm"}, "o_norm": {"ffn_norm"}, "gate_swiglu": {"ffn_norm", "swiglu"}, "down_norm": {"swiglu", "attn_norm"}}
+        clash = {"qkv_rope": {"attn_norm"}, "gate_swiglu": {"ffn_norm", "swiglu"}}
         return frozenset(e for e in self.can_epilogue if not clash[e] & set(folds))
 
     @property
@@ -174,20 +155,11 @@ class Forward:
         """Row 0 of the int8 activations and scales: the input of every q8 GEMV of a step."""
         return self.bufs.xq32, self.bufs.xs
 
-    @property
-    def _q_h(self):
-        """Row 1 of the int8 activations and scales: gemv_swiglu's output, the down GEMV's input."""
-        b = self.bufs
-        return b.xq32[1:2], b.xs[1:2]
-
     def _gemv_rope(self, i, layer, stream):
         b, p = self.bufs, self._posts[i]
         gemv.gemv_rope(self.spec, layer.wqkv[0], *self._q_in, layer.bqkv, self.cos, self.sin, b.tok_pos, b.tok_page,
                        b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], p.interleaved, stream)  # fmt: skip
 
-    def _gemv_norm(self, w, src, norm_w, stream):
-        b = self.bufs
-        gemv.gemv_norm(w, *src, b.x, norm_w, self.spec.rms_eps, b.xq32[0], b.xs[0], b.counter, stream)
 
     # -- pieces ------------------------------------------------------------------------------
 

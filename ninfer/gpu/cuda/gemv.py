@@ -22,7 +22,7 @@ from numba import cuda, float32, int32, types, uint32
 from ninfer.gpu.cuda.act_quant import dequantize_q8_ref, quantize_quad, store_q8
 from ninfer.gpu.cuda.dequant import DQ_WORD
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_f32_cg, ld4_u32, prefetch_l2,
+    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2,
 )
 from ninfer.gpu.cuda.rope import pair_elems, store_pair
 from ninfer.gpu.cuda.swiglu import silu_mul
@@ -204,104 +204,52 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
     return gemv_split
 
 
-# -- one activation row with its consumer's input built in the epilogue ------------------------
+# -- one activation row with the next small kernel done in the epilogue ------------------------
 #
 # For matrices too large for `gemv_fused` (every block would rebuild a 16-56 KB row), the
-# kernel that follows a GEMV is folded into the GEMV's end instead, where it is done once:
+# small kernel after a GEMV is folded into the GEMV's end instead, where each lane group's two
+# row sums are all it needs:
 #
-# * `gemv_norm` (the O and down projections): x += xa @ w.T, then the last block to finish
-#   (an atomic counter; each block fences its stores first) computes RMSNorm(x) * w_norm and
-#   its int8 blocks for the next GEMV, and resets the counter for the next launch;
-# * `gemv_swiglu` (gate+up): each lane group owns gate row j and up row j + F, so its sums
-#   give h_j = silu(g_j) * u_j directly; a block holds 32 consecutive j (32 groups of `lanes`
-#   threads) and one warp quantizes them into the next GEMV's int8 block.
+# * `gemv_rope` (the fused QKV, models without q/k norm): a lane group owns one rotated pair
+#   of rows, so it adds the bias, rotates, and writes q and the pools' K / V (rope.qkv_post);
+# * `gemv_swiglu` (gate+up): a lane group owns gate row j and up row j + F, so its sums give
+#   h_j = silu(g_j) * u_j; a block holds 32 consecutive j (32 groups of `lanes` threads) and
+#   one warp quantizes them into the down GEMV's int8 block.
 #
-# Either saves a launch and a DRAM-latency-bound small kernel per use (forward.py EPILOGUES).
+# Each saves a launch and a DRAM-latency-bound small kernel per layer (forward.py EPILOGUES).
+# Folding RMSNorm into the O / down GEMV the same way (the last block to finish, found by an
+# atomic count after every block fenced its stores, normalizes the row) was correct but slower
+# on the H200 (8B Q8_0: 3.671 vs 3.447 ms a step) and was removed (docs/performance.md).
 
 SWIGLU_GROUPS = 32  # lane groups of a gemv_swiglu block: one 32-column int8 block of h
 SWIGLU_LANES = 2 if SIMULATOR else 8
 
 
-def _make_gemv_norm(qtype: str, lanes: int, R: int, U: int, width: int, threads: int = THREADS):
-    """One activation row, residual in place (out is x), then the last block: q8(rmsnorm(x))."""
-    rows_per_warp = (32 // lanes) * R
-    nw, ns, na, nx = _split_arrays(qtype, R, U)
-    loop = _make_split_loop(qtype, lanes, R, U)
-    row_norm = _make_row_norm(width, threads)
+def _make_pair_sums(qtype: str, lanes: int, U: int):
+    """Device function: a lane group's two row sums, rows row_a and row_a + stride (0 where not
+    `valid`); every thread calls it (the group's shuffles)."""
+    nw, ns, na, nx = _split_arrays(qtype, 2, U)
+    loop = _make_split_loop(qtype, lanes, 2, U)
 
-    def gemv_norm(qs, d16, aux, sc8, xa, xs, out, num_rows, num_blocks, nwt, eps, q_out, s_out, counter):
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = (cuda.blockIdx.y * cuda.blockDim.x + tid) // 32
-        row0 = warp * rows_per_warp + (lane // lanes) * R
-        sub = lane % lanes
-        acc = cuda.local.array(R, float32)
+    @device
+    def pair_sums(qs, d16, xa, xs, row_a, stride, last_row, sub, num_blocks, valid):
+        acc = cuda.local.array(2, float32)
         W = cuda.local.array(nw, uint32)
         S = cuda.local.array(ns, float32)
         A = cuda.local.array(na, uint32)
         X = cuda.local.array(nx, float32)
-        flag = cuda.shared.array(1, int32)
-        scratch = cuda.shared.array(33, float32)
-        for r in range(R):
-            acc[r] = float32(0.0)
-        if row0 < num_rows:
-            loop(qs, d16, xa, xs, row0, 1, num_rows - 1, sub, num_blocks, acc, W, S, A, X)
-        for r in range(R):
-            row = row0 + r
-            v = group_sum(acc[r], lanes)
-            if sub == 0 and row < num_rows:
-                out[0, row] += v
-        cuda.threadfence()  # this block's rows of x visible to the last block
-        cuda.syncthreads()
-        if tid == 0:
-            flag[0] = int32(1) if cuda.atomic.add(counter, 0, 1) == cuda.gridDim.y - 1 else int32(0)
-        cuda.syncthreads()
-        if flag[0] == 1:  # block-uniform: every other block has stored its rows
-            cuda.threadfence()
-            row_norm(out, nwt, eps, q_out, s_out, scratch)
-            if tid == 0:
-                counter[0] = 0
+        acc[0] = float32(0.0)
+        acc[1] = float32(0.0)
+        if valid:
+            loop(qs, d16, xa, xs, row_a, stride, last_row, sub, num_blocks, acc, W, S, A, X)
+        return group_sum(acc[0], lanes), group_sum(acc[1], lanes)
 
-    return gemv_norm
-
-
-def _make_row_norm(cols: int, threads: int):
-    """Device function for gemv_norm's last block: q8(rmsnorm(src row 0) * nwt) into the
-    global q_out (cols / 4 int8x4 words) and s_out, norm.py's arithmetic. src was written by
-    the kernel's other blocks, so it is read from L2 (ld4_f32_cg, kept in order), every load
-    before any use: the tail waits one round trip, not one per quad. The GEMV's registers are
-    dead by then, so holding the thread's 4 x chunks values costs no occupancy."""
-    quads = cols // 4
-    chunks = -(-quads // threads)
-    n = 4 * chunks
-
-    @device
-    def row_norm(src, nwt, eps, q_out, s_out, scratch):
-        tid = cuda.threadIdx.x
-        xv = cuda.local.array(n, float32)
-        for c in range(chunks):
-            col = 4 * min(tid + threads * c, quads - 1)  # past the row: a repeated quad, never stored
-            xv[4 * c], xv[4 * c + 1], xv[4 * c + 2], xv[4 * c + 3] = ld4_f32_cg(src, 0, col)
-        ss = float32(0.0)
-        for c in range(chunks):
-            if tid + threads * c < quads:
-                v0, v1, v2, v3 = xv[4 * c], xv[4 * c + 1], xv[4 * c + 2], xv[4 * c + 3]
-                ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
-        r = float32(1.0) / math.sqrt(block_sum(ss, scratch) / float32(cols) + eps)
-        for c in range(chunks):
-            qd = tid + threads * c
-            w0, w1, w2, w3 = ld4_f32(nwt, 0, 4 * min(qd, quads - 1))
-            v0, v1 = xv[4 * c] * r * w0, xv[4 * c + 1] * r * w1
-            v2, v3 = xv[4 * c + 2] * r * w2, xv[4 * c + 3] * r * w3
-            _store_quad(v0, v1, v2, v3, qd, qd < quads, q_out, s_out)
-
-    return row_norm
+    return pair_sums
 
 
 def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
     """Gate row j and up row j + F (F = num_f) per lane group, SWIGLU_GROUPS groups a block."""
-    nw, ns, na, nx = _split_arrays(qtype, 2, U)
-    loop = _make_split_loop(qtype, lanes, 2, U)
+    sums = _make_pair_sums(qtype, lanes, U)
     groups = SWIGLU_GROUPS
     qwarps = groups // 32
 
@@ -310,18 +258,8 @@ def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
         gi = tid // lanes
         sub = tid % lanes
         j = cuda.blockIdx.y * groups + gi
-        acc = cuda.local.array(2, float32)
-        W = cuda.local.array(nw, uint32)
-        S = cuda.local.array(ns, float32)
-        A = cuda.local.array(na, uint32)
-        X = cuda.local.array(nx, float32)
         h_sh = cuda.shared.array(groups, float32)
-        acc[0] = float32(0.0)
-        acc[1] = float32(0.0)
-        if j < num_f:
-            loop(qs, d16, xa, xs, j, num_f, 2 * num_f - 1, sub, num_blocks, acc, W, S, A, X)
-        g = group_sum(acc[0], lanes)
-        u = group_sum(acc[1], lanes)
+        g, u = sums(qs, d16, xa, xs, j, num_f, 2 * num_f - 1, sub, num_blocks, j < num_f)
         if sub == 0:
             h_sh[gi] = silu_mul(g, u)
         cuda.syncthreads()
@@ -338,8 +276,7 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
     norm: each lane group owns one rotated pair (rows j hd + ea, j hd + eb of head j), adds
     the bias, rotates q and k heads, and stores q to q_out and k / v into the pools at the
     token's page and slot."""
-    nw, ns, na, nx = _split_arrays(qtype, 2, U)
-    loop = _make_split_loop(qtype, lanes, 2, U)
+    sums = _make_pair_sums(qtype, lanes, U)
     half = head_dim // 2
     pairs_per_block = threads // lanes
     stride = 1 if interleaved else half  # row eb - row ea
@@ -354,17 +291,7 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
         ea, eb = pair_elems(i, half, interleaved)
         num_pairs = (num_heads + 2 * num_kv_heads) * half
         row_a = j * head_dim + ea
-        acc = cuda.local.array(2, float32)
-        W = cuda.local.array(nw, uint32)
-        S = cuda.local.array(ns, float32)
-        A = cuda.local.array(na, uint32)
-        X = cuda.local.array(nx, float32)
-        acc[0] = float32(0.0)
-        acc[1] = float32(0.0)
-        if p < num_pairs:
-            loop(qs, d16, xa, xs, row_a, stride, 2 * num_pairs - 1, sub, num_blocks, acc, W, S, A, X)
-        a = group_sum(acc[0], lanes)
-        b = group_sum(acc[1], lanes)
+        a, b = sums(qs, d16, xa, xs, row_a, stride, 2 * num_pairs - 1, sub, num_blocks, p < num_pairs)
         if sub == 0 and p < num_pairs:
             if has_bias:
                 a += bias[row_a]
@@ -413,28 +340,8 @@ def gemv_rope(spec, w, xa, xs, bias, cos, sin, tok_pos, tok_page, tok_slot, q_ou
 
 
 @functools.cache
-def gemv_norm_kernel(qtype: str, lanes: int, rows_per_group: int, unroll: int, width: int):
-    return cuda.jit(_make_gemv_norm(qtype, lanes, rows_per_group, unroll, width))
-
-
-@functools.cache
 def gemv_swiglu_kernel(qtype: str, lanes: int, unroll: int):
     return cuda.jit(_make_gemv_swiglu(qtype, lanes, unroll))
-
-
-def gemv_norm(w, xa, xs, x, norm_w, eps, q_out, s_out, counter, stream=0, lanes: int | None = None) -> None:
-    """x[0] += q8 row 0 (xa, xs) @ w.T, then q_out / s_out (1-D: the next GEMV's int8 words and
-    scales of row 0) = q8(rmsnorm(x[0]) * norm_w[0]). `counter`: int32 [1], zero, left zero.
-    q_out must not alias xa / xs' row 0 ... unless every block has read them: it may (the last
-    block writes only after all others counted themselves done)."""
-    lanes = lanes or lanes_for(w.num_blocks)
-    _, rpg, unroll, _ = shape_for(w.qtype, "q8", w.num_blocks, 1, w.rows)
-    unroll = unroll or 2  # the simulator's shape: one row a group, two blocks an iteration
-    rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
-    grid = (1, -(-w.rows // rows_per_block))
-    kernel = gemv_norm_kernel(w.qtype, lanes, rpg, unroll, w.rows)
-    kernel[grid, THREADS, stream](*w.planes, xa, xs, x, w.rows, w.num_blocks, norm_w, np.float32(eps), q_out, s_out,
-                                  counter)  # fmt: skip
 
 
 def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None) -> None:
@@ -448,15 +355,6 @@ def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None) -> 
 
 
 SWIGLU_UNROLL = 2
-
-
-def gemv_norm_ref(w_f32, xq8, xs, x, norm_w, eps):
-    """float64 reference: (x + product, and the q8 rmsnorm of it as the norm kernel gives)."""
-    from ninfer.gpu.cuda.norm import rmsnorm_ref
-
-    y = gemv_q8_ref(w_f32, xq8, xs, x)
-    _, q, s = rmsnorm_ref(y.astype(np.float32), None, np.asarray(norm_w).reshape(-1), eps, None, "q8")
-    return y, q, s
 
 
 def gemv_swiglu_ref(w_f32, xq8, xs):
@@ -746,11 +644,7 @@ def ptx_cases():
                 cases.append((f"gemv_q8_{qtype}_l32_m1_u8_pf", make_gemv(qtype, mode, 32, 1, 1, 8, True), sig))
     f2 = types.float32[:, ::1]
     u2 = types.uint32[:, ::1]
-    for qtype in WLOAD:  # the epilogue folds at the 8B widths (their own shapes, as gemv_norm / gemv_swiglu pick)
-        norm_sig = (*plane_types(qtype), u2, f2, f2, int32, int32, f2, types.float32, types.uint32[::1],
-                    types.float32[::1], types.int32[::1])  # fmt: skip
-        _, rpg, unroll, _ = shape_for(qtype, "q8", 128, 1, 4096)
-        cases.append((f"gemv_norm_{qtype}_w4096", _make_gemv_norm(qtype, 32, rpg, unroll, 4096), norm_sig))
+    for qtype in WLOAD:  # the epilogue folds (their own shapes, as gemv_swiglu / gemv_rope pick)
         swiglu_sig = (*plane_types(qtype), u2, f2, int32, int32, types.int8[:, ::1], f2)
         cases.append((f"gemv_swiglu_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL), swiglu_sig))
         f1, i1, cache = types.float32[::1], types.int32[::1], types.float16[:, :, :, ::1]

@@ -87,9 +87,6 @@ if not SIMULATOR:
     # a coherent load that ptxas keeps on its side of a barrier (the `.nc` one may move across
     # bar.sync; the GEMM needs its activation loads issued before the barrier and the mma)
     ld4_f32_pinned = _make_ld4(types.float32, _F32, "f", "f32", space="global", pinned=True)
-    # from L2, never L1: for rows other blocks of the same kernel wrote (a last-block epilogue;
-    # this SM's L1 may hold the line from before their writes)
-    ld4_f32_cg = _make_ld4(types.float32, _F32, "f", "f32", space="global.cg", pinned=True)
 
     def _elem_addr(context, builder, signature, args):
         aryty = signature.args[0]
@@ -295,7 +292,6 @@ else:
         return (float32(arr[row, col]), float32(arr[row, col + 1]), float32(arr[row, col + 2]), float32(arr[row, col + 3]))
 
     ld4_f32_pinned = ld4_f32
-    ld4_f32_cg = ld4_f32
 
     def ld_f32_cg(arr, i0, i1, i2, i3):
         return float32(arr[i0, i1, i2, i3])
