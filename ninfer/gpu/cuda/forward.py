@@ -143,7 +143,6 @@ class Forward:
         }
         return frozenset(e for e in EPILOGUES if ok[e])
 
-
     def epilogues_with(self, folds) -> frozenset:
         """The epilogue folds that can go with these prologue folds (a prologue fold replaces
         the kernel pair an epilogue would fold, or runs the GEMV whose epilogue it would be)."""
@@ -159,7 +158,6 @@ class Forward:
         b, p = self.bufs, self._posts[i]
         gemv.gemv_rope(self.spec, layer.wqkv[0], *self._q_in, layer.bqkv, self.cos, self.sin, b.tok_pos, b.tok_page,
                        b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], p.interleaved, stream)  # fmt: skip
-
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -216,8 +214,10 @@ class Forward:
                 attention.attn_decode_one(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
                                           plan.num_rows, act, stream, post=post)  # fmt: skip
                 return
-            # no combine launch for one row whose last split merges in one round (MERGE_UNROLL splits)
-            merge = self.merge_in_attention and plan.num_rows == 1 and 0 < plan.num_splits <= attention.MERGE_UNROLL
+            # no combine launch for one row whose last split merges in one round (MERGE_UNROLL splits;
+            # not with `post`: that pairing is unchecked)
+            merge = (self.merge_in_attention and post is None and plan.num_rows == 1
+                     and 0 < plan.num_splits <= attention.MERGE_UNROLL)  # fmt: skip
             counters = b.attn_counters if merge else None
             attention.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
                                   b.ml_part, out, b.xs, plan.num_rows, self.split_len, act, stream,
