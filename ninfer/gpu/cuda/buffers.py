@@ -32,6 +32,12 @@ class Limits:
 
 
 def _dev(shape, dtype):
+    """Uninitialized on the GPU. Zeroed under the simulator: rows a step only pads (graph
+    buckets) are quantized like the others, and the simulator raises on the NaN -> int a
+    recycled NaN-filled host allocation gives (the GPU's conversion does not; such rows are
+    never read back)."""
+    if SIMULATOR:
+        return cuda.to_device(np.zeros(shape, dtype))
     return cuda.device_array(shape, dtype=dtype)
 
 
