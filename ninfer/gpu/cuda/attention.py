@@ -100,26 +100,93 @@ def _make_merge(coherent: bool):
 
 
 _merge_plain = _make_merge(False)
-_merge_cg = _make_merge(True)
+
+
+def _make_block_merge(group: int, head_dim: int, threads: int, mode: str):
+    """Device function for the merging block of `attn_decode(counters=)`: the group's heads of
+    row b merged over their `ns` splits and written to out / xs. Each thread owns `oi` of the
+    group * head_dim outputs; the partials of MERGE_UNROLL splits for all of them are loaded
+    (from L2: other blocks of the kernel wrote them) before any is used, so up to 8 splits
+    cost one round trip, not one per output or per split (the splits' maxima and sums go
+    through shared memory: they are the same for every output of a head)."""
+    oi = -(-group * head_dim // threads)
+    mu = MERGE_UNROLL
+    n = oi * mu
+    gdim = group * head_dim
+
+    @device
+    def block_merge(o_part, ml_part, out, xs, b, kvh, ns):
+        tid = cuda.threadIdx.x
+        os_ = cuda.local.array(n, float32)
+        mls = cuda.shared.array((group, mu, 2), float32)  # (max, sum) of a round's splits per head
+        mx = cuda.local.array(oi, float32)
+        tot = cuda.local.array(oi, float32)
+        val = cuda.local.array(oi, float32)
+        for it in range(oi):
+            mx[it] = float32(NEG_BIG)
+            tot[it] = float32(0.0)
+            val[it] = float32(0.0)
+        last = ns - 1
+        for s0 in range(0, ns, mu):
+            for it in range(oi):
+                idx = tid + it * threads
+                h = kvh * group + min(idx // head_dim, group - 1)
+                for j in range(mu):
+                    os_[it * mu + j] = ld_f32_cg(o_part, b, h, min(s0 + j, last), idx % head_dim)
+            for t in range(tid, group * mu * 2, threads):
+                g = t // (2 * mu)
+                j = (t // 2) % mu
+                mls[g, j, t % 2] = ld_f32_cg(ml_part, b, kvh * group + g, min(s0 + j, last), t % 2)
+            cuda.syncthreads()
+            for it in range(oi):
+                g = min((tid + it * threads) // head_dim, group - 1)
+                for j in range(mu):
+                    if s0 + j <= last:
+                        m_new = max(mx[it], mls[g, j, 0])
+                        c = math.exp(mx[it] - m_new)
+                        f = math.exp(mls[g, j, 0] - m_new)
+                        tot[it] = tot[it] * c + mls[g, j, 1] * f
+                        val[it] = val[it] * c + os_[it * mu + j] * f
+                        mx[it] = m_new
+            cuda.syncthreads()  # mls is rewritten by the next round
+        for it in range(oi):  # the same count for every thread (store_q8's reductions)
+            idx = tid + it * threads
+            col = kvh * gdim + idx
+            v = val[it] / tot[it]
+            if mode == "f32":
+                if idx < gdim:
+                    out[b, col] = v
+            else:  # head_dim % 32 == 0: a warp's 32 columns are one int8 block of one head
+                store_q8(v, idx < gdim, out, xs, b, col // 32, idx % 32)
+
+    return block_merge
+
+
+def decode_chunk(head_dim: int, split_len: int, threads: int = DECODE_THREADS) -> int:
+    """Positions per warp whose K / V the split kernel loads together: 16 floats of K each.
+    A split's whole share of a warp (8 positions at splits of 32, 32 floats) measured slower
+    on the H200 (8B, one row: merged split 15.35 vs 14.59 us a layer by attn_tune, 3.588 vs
+    3.413 ms a step): its loops stay rolled and the K / V arrays go to local memory."""
+    return max(1, 16 // (head_dim // 32))
 
 
 def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = DECODE_THREADS, post: bool = False,
-                     interleaved: bool = False, merge: str | None = None):  # fmt: skip
+                     interleaved: bool = False, merge: str | None = None, ch: int = 0):  # fmt: skip
     """`post`: the kernel also does rope.qkv_post for its row's token (see `attn_decode`).
     `merge` ('f32' | 'q8'): the last split of each (row, KV head) to finish merges all of them
-    and writes the output (no attn_combine launch); see `attn_decode`."""
+    and writes the output (no attn_combine launch); see `attn_decode`. `ch`: positions per
+    warp loaded together (0: `decode_chunk`)."""
     epl = head_dim // 32
     nw = threads // 32
     ge = group * epl  # register array sizes must be compile-time constants
-    ch = max(1, 16 // epl)  # positions per warp whose K / V are loaded together (16 floats each)
+    ch = ch or decode_chunk(head_dim, split_len, threads)
     num_chunks = -(-split_len // (nw * ch))
     che = ch * epl
     gd = group * head_dim  # the rotated q of the group (post)
     post_heads = decode_post_fn(head_dim, group, nw, interleaved) if post else None
 
-    gdim = group * head_dim
-    out_iters = -(-gdim // threads)
     merging = merge is not None
+    block_merge = _make_block_merge(group, head_dim, threads, merge) if merging else None
 
     def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, post_args, merge_args):
         b = cuda.blockIdx.x
@@ -210,25 +277,15 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
         if merging:
             out, xs, counters = merge_args
             flag = cuda.shared.array(1, int32)
-            cuda.threadfence()  # this split's partials visible to the block that merges
-            cuda.syncthreads()
+            cuda.syncthreads()  # every thread's partials stored
             ns = (n + split_len - 1) // split_len
             if cuda.threadIdx.x == 0:
+                cuda.threadfence()  # cumulative over the barrier: the block's partials before its count
                 flag[0] = int32(1) if cuda.atomic.add(counters, (b, kvh), 1) == ns - 1 else int32(0)
             cuda.syncthreads()
             if flag[0] == 1:  # block-uniform: every other split of (b, kvh) has stored its partials
                 cuda.threadfence()
-                for it in range(out_iters):  # the same count for every thread (store_q8's reductions)
-                    idx = cuda.threadIdx.x + it * threads
-                    g = min(idx // head_dim, group - 1)
-                    e = idx % head_dim
-                    v = _merge_cg(o_part, ml_part, b, kvh * group + g, e, ns)
-                    col = (kvh * group + g) * head_dim + e
-                    if merge == "f32":
-                        if idx < gdim:
-                            out[b, col] = v
-                    else:  # head_dim % 32 == 0: a warp's 32 columns are one int8 block of one head
-                        store_q8(v, idx < gdim, out, xs, b, col // 32, e % 32)
+                block_merge(o_part, ml_part, out, xs, b, kvh, ns)
                 if cuda.threadIdx.x == 0:
                     counters[b, kvh] = 0
 
@@ -262,8 +319,8 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
 
 
 @functools.cache
-def attn_decode_kernel(head_dim, group, split_len, post=False, interleaved=False, merge=None):
-    return cuda.jit(make_attn_decode(head_dim, group, split_len, post=post, interleaved=interleaved, merge=merge))
+def attn_decode_kernel(head_dim, group, split_len, post=False, interleaved=False, merge=None, ch=0):
+    return cuda.jit(make_attn_decode(head_dim, group, split_len, post=post, interleaved=interleaved, merge=merge, ch=ch))
 
 
 @functools.cache
@@ -272,7 +329,8 @@ def attn_combine_kernel(head_dim, split_len, mode):
 
 
 def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, split_len, mode,
-                stream=0, num_splits: int | None = None, post: DecodePost | None = None, counters=None) -> None:  # fmt: skip
+                stream=0, num_splits: int | None = None, post: DecodePost | None = None, counters=None,
+                ch: int = 0) -> None:  # fmt: skip
     """Both decode launches; o_part / ml_part are [B, H, max_splits, hd | 2] scratch.
 
     `num_splits` (default all) blocks per (row, kv head) are launched: it must cover the
@@ -282,13 +340,13 @@ def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, ou
     - 1 = tok_pos[b], at tok_page[b], tok_slot[b]) and attends over it.
     With `counters` (int32 [>= num_rows, kv heads], zero; left zero) there is no combine
     launch: the last split of each (row, KV head) to finish (an atomic count; every split
-    fences its partials first) merges them and writes out / xs.
+    fences its partials first) merges them and writes out / xs. `ch`: see make_attn_decode.
     """
     max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
     src, extra = _decode_inputs(q, post)
     merge = None if counters is None else mode
-    kernel = attn_decode_kernel(spec.head_dim, spec.group_size, split_len, post is not None, _interleaved(post), merge)
+    kernel = attn_decode_kernel(spec.head_dim, spec.group_size, split_len, post is not None, _interleaved(post), merge, ch)
     kernel[(num_rows, spec.num_kv_heads, max_splits), DECODE_THREADS, stream](
         src, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, extra, () if merge is None else (out, xs, counters)
     )  # fmt: skip

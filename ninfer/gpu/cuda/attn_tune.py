@@ -1,4 +1,4 @@
-"""Decode attention on the GPU: split + combine (two launches) vs one launch, by graph replay.
+"""Decode attention on the GPU: split + combine (two launches), merged split, one launch, by graph replay.
 
     python -m ninfer.gpu.cuda.attn_tune [--shapes smollm2-135m,llama3-8b] [--rows 1,4,16,64]
         [--contexts 128,512,2048] [--variants 8x4,8x2,4x4,16x1] [--mode q8] [--json FILE]
@@ -7,7 +7,9 @@ For each model shape, rows bucket and context (every row that long, float16 KV i
 16, splits of 32 positions as the runner uses): one CUDA graph per path holding one launch
 per layer, each layer reading its own K/V pool (enough pools that a replay does not find the
 previous layer's K/V in L2, as in a decode step). Prints us per layer (median of replays) for
-`split` and each one-launch variant (warps x chunk), and whether `attention.use_one_launch`
+`split`, for one row of at most 8 splits the split kernel merging in its last split (`merged
+chN`: N positions per warp loaded together, auto = attention.decode_chunk), each one-launch
+variant (warps x chunk), and whether `attention.use_one_launch`
 picks one launch for that (rows, context) bucket, so its limits can be set from the table.
 """
 
@@ -61,9 +63,15 @@ def time_case(spec, rows: int, context: int, variants, mode: str, stream, rng, r
     out = cuda.device_array((rows, spec.q_dim), np.int8 if mode == "q8" else np.float32, stream=stream)
     xs = cuda.device_array((rows, 2 * spec.q_dim // 32), np.float32, stream=stream)
 
-    def split_launch():
-        for k, v in pools:
-            attention.attn_decode(spec, q, k, v, tables, lens, o_part, ml, out, xs, rows, SPLIT, mode, stream, splits)
+    counters = cuda.to_device(np.zeros((rows, spec.num_kv_heads), np.int32), stream=stream)
+
+    def split_launch(merge: bool, ch: int = 0):
+        def launch():
+            for k, v in pools:
+                attention.attn_decode(spec, q, k, v, tables, lens, o_part, ml, out, xs, rows, SPLIT, mode, stream, splits,
+                                      counters=counters if merge else None, ch=ch)  # fmt: skip
+
+        return launch
 
     def one_launch(warps, ch):
         def launch():
@@ -72,7 +80,10 @@ def time_case(spec, rows: int, context: int, variants, mode: str, stream, rng, r
 
         return launch
 
-    cases = [("split", split_launch)] + [(f"one {w}x{c}", one_launch(w, c)) for w, c in variants]
+    cases = [("split", split_launch(False))]
+    if rows == 1 and splits <= attention.MERGE_UNROLL:  # the runner's merged path (forward.MERGE_IN_ATTENTION)
+        cases += [(f"merged ch{c or 'auto'}", split_launch(True, c)) for c in (0, 16 // (spec.head_dim // 32))]
+    cases += [(f"one {w}x{c}", one_launch(w, c)) for w, c in variants]
     graphs = GraphCache(stream)
     results = []
     picks = attention.use_one_launch(spec.head_dim, spec.num_kv_heads, rows, splits * SPLIT)

@@ -80,6 +80,7 @@ class StepBuffers:
         # outputs in one int32 allocation: tokens [r] | logprob bits [r] | top ids [r, K] | top bits [r, K]
         self.out = _dev(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
         self.attn_counters = cuda.to_device(np.zeros((r, spec.num_kv_heads), np.int32))  # attn_decode's merge
+        self.norm_sums = _dev(2 * spec.num_layers, np.float32)  # gemv_norm's sums of squares (embed zeroes them)
         self.dummy_f32 = _dev((1, 1), np.float32)
         self.dummy_f1 = _dev(1, np.float32)
         # host mirrors

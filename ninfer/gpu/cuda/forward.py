@@ -14,7 +14,8 @@ q8 steps fold each RMSNorm into the QKV / gate+up GEMV after it and SwiGLU into 
 load), where the matrices are small enough (gemv.fusable): three kernels fewer per layer.
 Where they are too large (an 8B model), small kernels fold into the end of the GEMV before them
 instead (EPILOGUES: gemv.gemv_rope does bias / RoPE / K-V write, gemv.gemv_swiglu pairs gate
-and up rows), and the split decode attention merges its splits itself: three kernels fewer.
+and up rows), the split decode attention merges its splits itself, and the O / down GEMVs write
+the next RMSNorm's int8 input (NORM_OUT, gemv.gemv_norm): five kernels fewer.
 """
 
 from __future__ import annotations
@@ -44,13 +45,23 @@ FOLDS = ("attn_norm", "ffn_norm", "swiglu")  # RMSNorm -> QKV, RMSNorm -> gate+u
 POST_IN_ATTENTION = False  # True: decode steps do rope.qkv_post inside the decode attention (measured neutral)
 # one-row decode steps: the split decode attention merges in its last split where that takes one
 # round of loads (at most attention.MERGE_UNROLL splits; False: always the attn_combine launch).
-# H200, 8B Q8_0 one stream (8 splits), merged vs combine launch: 3.696 vs 3.794 ms a step (2.6 %,
-# near the run-to-run spread). Several rows: unmeasured, so they keep the combine launch.
-MERGE_IN_ATTENTION = True
+# H200, 8B Q8_0 one stream (8 splits), ms a step, merged vs combine launch: 3.696 vs 3.794 in the
+# fourth session, but 3.598 vs 3.488, 3.447 vs 3.307 and 3.462 vs 3.281 in three A/Bs of the
+# fifth (attn_tune alone: 14.6 vs 12.7 us a layer): the fence + atomic + merge tail costs more
+# than the launch. Off; the path stays checked (attn_decode check, `counters=`).
+MERGE_IN_ATTENTION = False
 EPILOGUES_ONE_ROW = True  # the epilogue folds below for one-token q8 steps (False: separate kernels, for A/B)
 # QKV GEMV + bias / RoPE / K-V write (models without q/k norm), gate+up GEMV + SwiGLU. H200, 8B
 # Q8_0, one stream, ms a step: neither 3.512, qkv_rope 3.580 (another run), both 3.447
 EPILOGUES = ("qkv_rope", "gate_swiglu")
+# with both epilogues: the O and down GEMVs write the next RMSNorm's int8 input themselves
+# (gemv.gemv_norm; the consumer applies the norm's factor), so no RMSNorm launch but layer 0's.
+# int8 rows then: attention -> 0 -> O -> 1 -> gate+up -> 2 -> down -> 0 (the next layer's QKV).
+# H200, 8B Q8_0 one stream, ms a step, on vs off: 3.447 vs 3.462 (merge on), 3.307 vs 3.281
+# (merge off) with 32 lanes a row; 3.598 vs 3.437 with 16. Neutral: the 64 RMSNorm launches it
+# saves (~4 us each) go into the GEMVs, whose blocks must own 32 whole rows (one int8 block),
+# so O / down run 128 blocks of 1,024 threads instead of 1,024 of 128. Off; checked (runner).
+NORM_OUT = False
 
 
 class Forward:
@@ -78,6 +89,9 @@ class Forward:
         # (where a prologue fold is taken, it already removes that kernel)
         self.can_epilogue = self._epilogues(model, bufs)
         self.epilogues = self.epilogues_with(self.folds) if EPILOGUES_ONE_ROW else frozenset()
+        self.can_norm_out = (bufs.xq8.shape[0] >= 3 and spec.d_model % gemv.NORM_GROUPS == 0
+                             and all(w.qtype in WLOAD for l in model.layers for w in (l.wo, l.w_down)))  # fmt: skip
+        self.norm_out = NORM_OUT
         # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
@@ -92,43 +106,74 @@ class Forward:
         b = self.bufs
         act = "q8" if (self.q8 and plan.act == "q8") else "f32"
         t = plan.num_tokens
-        embed.embed(self.model.embed, b.tokens, b.x, t, stream)
         one = act == "q8" and t == 1
         folds = self.folds if one else frozenset()
         epi = self.epilogues if one else frozenset()
+        norm_out = one and self.norm_out_taken
+        embed.embed(self.model.embed, b.tokens, b.x, t, stream, clear=b.norm_sums if norm_out else b.dummy_f1)
+        # int8 rows of a one-token step (see NORM_OUT): the FFN's input and h
+        ffn_in, h_row = (1, 2) if norm_out else (0, 1)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             attn_norm, ffn_norm = self._norms2d[i]
             rope_fold = "qkv_rope" in epi  # the QKV GEMV does qkv_post's work itself
             if "attn_norm" in folds:
                 self._fused(layer.wqkv, b.x, attn_norm, b.qkv, None, "norm", stream)
             else:
-                self._norm(layer.attn_norm, t, act, stream)
+                normed = norm_out and i > 0  # the previous down GEMV wrote this input
+                if not normed:
+                    self._norm(layer.attn_norm, t, act, stream)
                 if rope_fold:
-                    self._gemv_rope(i, layer, stream)
+                    self._gemv_rope(i, layer, stream, self._norm_slot(2 * i - 1) if normed else None)
                 else:
                     self._linear(layer.wqkv, t, act, b.qkv, None, stream)
             post_in_attention = plan.decode and self.post_in_attention and not rope_fold
             if not (rope_fold or post_in_attention):
                 self._qkv_post(i, t, stream)
             self._attention(i, plan, act, stream, post_in_attention)
-            self._linear((layer.wo,), t, act, b.x, b.x, stream)
+            if norm_out:
+                gemv.gemv_norm(layer.wo, *self._q_in, b.x, b.x, layer.ffn_norm, *self._row(ffn_in), b.norm_sums,
+                               2 * i, stream)  # fmt: skip
+            else:
+                self._linear((layer.wo,), t, act, b.x, b.x, stream)
             if "ffn_norm" in folds:
                 self._fused(layer.w_gate_up, b.x, ffn_norm, b.gate_up, None, "norm", stream)
             else:
-                self._norm(layer.ffn_norm, t, act, stream)
-                if "gate_swiglu" in epi:  # h's int8 blocks into row 1 of xq8 / xs: row 0 is this GEMV's input
-                    gemv.gemv_swiglu(layer.w_gate_up[0], *self._q_in, b.xq8[1:2], b.xs[1:2], stream)
+                if not norm_out:
+                    self._norm(layer.ffn_norm, t, act, stream)
+                if "gate_swiglu" in epi:  # h's int8 blocks into row h_row
+                    gemv.gemv_swiglu(layer.w_gate_up[0], *self._row(ffn_in, 32), *self._row(h_row), stream,
+                                     norm=self._norm_slot(2 * i) if norm_out else None)  # fmt: skip
                 else:
                     self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
             if "swiglu" in folds:
                 self._fused((layer.w_down,), b.gate_up, b.dummy_f32, b.x, b.x, "swiglu", stream)
                 continue
-            if "gate_swiglu" in epi:  # the down GEMV reads h from row 1
-                gemv.gemv(layer.w_down, b.xq32[1:2], b.xs[1:2], b.x, b.x, 1, "q8", stream)
+            if "gate_swiglu" in epi:  # the down GEMV reads h from row h_row
+                if norm_out and i < last:  # and writes the next layer's QKV input into row 0
+                    gemv.gemv_norm(layer.w_down, *self._row(h_row, 32), b.x, b.x, self.model.layers[i + 1].attn_norm,
+                                   *self._row(0), b.norm_sums, 2 * i + 1, stream)  # fmt: skip
+                else:
+                    gemv.gemv(layer.w_down, *self._row(h_row, 32), b.x, b.x, 1, "q8", stream)
             else:
                 swiglu.swiglu(b.gate_up, b.xq8 if act == "q8" else b.h, b.xs, t, act, stream)
                 self._linear((layer.w_down,), t, act, b.x, b.x, stream)
         self._head(plan, stream)
+
+    @property
+    def norm_out_taken(self) -> bool:
+        """Whether one-token q8 steps take NORM_OUT: it needs both epilogue folds."""
+        return self.norm_out and self.can_norm_out and {"qkv_rope", "gate_swiglu"} <= self.epilogues
+
+    def _row(self, k: int, bits: int = 8):
+        """Row k of the int8 activations (as int8, or as uint32 words: what GEMVs read) and of
+        their scales, each a one-row view."""
+        b = self.bufs
+        return (b.xq8 if bits == 8 else b.xq32)[k : k + 1], b.xs[k : k + 1]
+
+    def _norm_slot(self, slot: int):
+        """A consumer's `norm=` argument: gemv_norm's sum of squares in norm_sums[slot]."""
+        return self.bufs.norm_sums, slot, self.spec.rms_eps
 
     def _epilogues(self, model, bufs) -> frozenset:
         """EPILOGUES this model takes: q8 matrices of the split-loop types (Q4_0 / Q4_1 / Q8_0),
@@ -154,10 +199,10 @@ class Forward:
         """Row 0 of the int8 activations and scales: the input of every q8 GEMV of a step."""
         return self.bufs.xq32, self.bufs.xs
 
-    def _gemv_rope(self, i, layer, stream):
+    def _gemv_rope(self, i, layer, stream, norm=None):
         b, p = self.bufs, self._posts[i]
         gemv.gemv_rope(self.spec, layer.wqkv[0], *self._q_in, layer.bqkv, self.cos, self.sin, b.tok_pos, b.tok_page,
-                       b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], p.interleaved, stream)  # fmt: skip
+                       b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], p.interleaved, stream, norm=norm)  # fmt: skip
 
     # -- pieces ------------------------------------------------------------------------------
 

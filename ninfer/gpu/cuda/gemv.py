@@ -22,7 +22,7 @@ from numba import cuda, float32, int32, types, uint32
 from ninfer.gpu.cuda.act_quant import dequantize_q8_ref, quantize_quad, store_q8
 from ninfer.gpu.cuda.dequant import DQ_WORD
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2,
+    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2, warp_sum,
 )
 from ninfer.gpu.cuda.rope import pair_elems, store_pair
 from ninfer.gpu.cuda.swiglu import silu_mul
@@ -223,13 +223,25 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
 
 SWIGLU_GROUPS = 32  # lane groups of a gemv_swiglu block: one 32-column int8 block of h
 SWIGLU_LANES = 2 if SIMULATOR else 8
+SWIGLU_UNROLL = 2
+ROPE_UNROLL = 2  # two rows a group (the pair): (2, 2) timed best for the 8B QKV in Q4_1 and Q8_0
 
 
-def _make_pair_sums(qtype: str, lanes: int, U: int):
+@device
+def norm_factor(nsum, slot, cols, eps):
+    """1 / sqrt(mean(x^2) + eps) of the row whose sum of squares `gemv_norm` accumulated in
+    nsum[slot] (its int8 input is x * w unnormalized); 1 where slot < 0 (a normalized input)."""
+    if slot < 0:
+        return float32(1.0)
+    return float32(1.0) / math.sqrt(nsum[slot] / float32(cols) + eps)
+
+
+def _make_pair_sums(qtype: str, lanes: int, U: int, R: int = 2):
     """Device function: a lane group's two row sums, rows row_a and row_a + stride (0 where not
-    `valid`); every thread calls it (the group's shuffles)."""
-    nw, ns, na, nx = _split_arrays(qtype, 2, U)
-    loop = _make_split_loop(qtype, lanes, 2, U)
+    `valid`); every thread calls it (the group's shuffles). R = 1: row_a only (the second sum
+    is 0)."""
+    nw, ns, na, nx = _split_arrays(qtype, R, U)
+    loop = _make_split_loop(qtype, lanes, R, U)
 
     @device
     def pair_sums(qs, d16, xa, xs, row_a, stride, last_row, sub, num_blocks, valid):
@@ -242,6 +254,8 @@ def _make_pair_sums(qtype: str, lanes: int, U: int):
         acc[1] = float32(0.0)
         if valid:
             loop(qs, d16, xa, xs, row_a, stride, last_row, sub, num_blocks, acc, W, S, A, X)
+        if R == 1:
+            return group_sum(acc[0], lanes), float32(0.0)
         return group_sum(acc[0], lanes), group_sum(acc[1], lanes)
 
     return pair_sums
@@ -253,7 +267,7 @@ def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
     groups = SWIGLU_GROUPS
     qwarps = groups // 32
 
-    def gemv_swiglu(qs, d16, aux, sc8, xa, xs, num_f, num_blocks, q_out, s_out):
+    def gemv_swiglu(qs, d16, aux, sc8, xa, xs, num_f, num_blocks, q_out, s_out, nsum, nslot, eps):
         tid = cuda.threadIdx.x
         gi = tid // lanes
         sub = tid % lanes
@@ -261,7 +275,8 @@ def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
         h_sh = cuda.shared.array(groups, float32)
         g, u = sums(qs, d16, xa, xs, j, num_f, 2 * num_f - 1, sub, num_blocks, j < num_f)
         if sub == 0:
-            h_sh[gi] = silu_mul(g, u)
+            r = norm_factor(nsum, nslot, 32 * num_blocks, eps)
+            h_sh[gi] = silu_mul(g * r, u * r)
         cuda.syncthreads()
         w = tid // 32
         if w < qwarps:  # warp-uniform: the block's int8 blocks of h
@@ -282,7 +297,7 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
     stride = 1 if interleaved else half  # row eb - row ea
 
     def gemv_rope(qs, d16, aux, sc8, xa, xs, num_blocks, bias, has_bias, cos, sin, tok_pos, tok_page, tok_slot,
-                  q_out, k_cache, v_cache, num_heads, num_kv_heads):  # fmt: skip
+                  q_out, k_cache, v_cache, num_heads, num_kv_heads, nsum, nslot, eps):  # fmt: skip
         tid = cuda.threadIdx.x
         p = cuda.blockIdx.y * pairs_per_block + tid // lanes  # the rotated pair
         sub = tid % lanes
@@ -293,6 +308,9 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
         row_a = j * head_dim + ea
         a, b = sums(qs, d16, xa, xs, row_a, stride, 2 * num_pairs - 1, sub, num_blocks, p < num_pairs)
         if sub == 0 and p < num_pairs:
+            r = norm_factor(nsum, nslot, 32 * num_blocks, eps)
+            a *= r
+            b *= r
             if has_bias:
                 a += bias[row_a]
                 b += bias[row_a + stride]
@@ -320,14 +338,12 @@ def gemv_rope_kernel(qtype: str, lanes: int, unroll: int, head_dim: int, interle
     return cuda.jit(_make_gemv_rope(qtype, lanes, unroll, head_dim, interleaved))
 
 
-ROPE_UNROLL = 2  # two rows a group (the pair): (2, 2) timed best for the 8B QKV in Q4_1 and Q8_0
-
-
 def gemv_rope(spec, w, xa, xs, bias, cos, sin, tok_pos, tok_page, tok_slot, q_out, k_cache, v_cache,
-              interleaved=False, stream=0, lanes: int | None = None) -> None:  # fmt: skip
+              interleaved=False, stream=0, lanes: int | None = None, norm=None) -> None:  # fmt: skip
     """q_out[0] and the K / V pools at token 0's (page, slot) = rope.qkv_post of
     q8 row 0 (xa, xs) @ w.T, for a fused QKV matrix `w` of a model without q/k norm (`bias`
-    None or the fused QKV bias)."""
+    None or the fused QKV bias). `norm` = (sums, slot, eps): the input is gemv_norm's
+    unnormalized x * w, its sum of squares in sums[slot] (None: a normalized input)."""
     lanes = lanes or lanes_for(w.num_blocks)
     pairs_per_block = THREADS // lanes
     num_pairs = w.rows // 2
@@ -335,8 +351,16 @@ def gemv_rope(spec, w, xa, xs, bias, cos, sin, tok_pos, tok_page, tok_slot, q_ou
     has_bias = bias is not None
     kernel[(1, -(-num_pairs // pairs_per_block)), THREADS, stream](
         *w.planes, xa, xs, w.num_blocks, bias if has_bias else cos[0], has_bias, cos, sin, tok_pos, tok_page, tok_slot,
-        q_out, k_cache, v_cache, spec.num_heads, spec.num_kv_heads,
+        q_out, k_cache, v_cache, spec.num_heads, spec.num_kv_heads, *_norm_args(norm, cos[0]),
     )  # fmt: skip
+
+
+def _norm_args(norm, dummy):
+    """(sums, slot, eps) kernel arguments of a consumer's `norm` (None: slot -1, unread)."""
+    if norm is None:
+        return dummy, -1, np.float32(0.0)
+    sums, slot, eps = norm
+    return sums, slot, np.float32(eps)
 
 
 @functools.cache
@@ -344,25 +368,97 @@ def gemv_swiglu_kernel(qtype: str, lanes: int, unroll: int):
     return cuda.jit(_make_gemv_swiglu(qtype, lanes, unroll))
 
 
-def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None) -> None:
+def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None, norm=None) -> None:
     """h = silu(g) * u of (g | u) = q8 row 0 (xa, xs) @ w.T for the fused [gate; up] matrix w
-    (2F rows), quantized into q_out (int8 [>= 1, F]) and s_out row 0."""
+    (2F rows), quantized into q_out (int8 [>= 1, F]) and s_out row 0. `norm`: see gemv_rope."""
     lanes = lanes or SWIGLU_LANES
     num_f = w.rows // 2
     kernel = gemv_swiglu_kernel(w.qtype, lanes, SWIGLU_UNROLL)
     kernel[(1, -(-num_f // SWIGLU_GROUPS)), SWIGLU_GROUPS * lanes, stream](*w.planes, xa, xs, num_f, w.num_blocks,
-                                                                           q_out, s_out)  # fmt: skip
+                                                                           q_out, s_out, *_norm_args(norm, xs[0]))  # fmt: skip
 
 
-SWIGLU_UNROLL = 2
-
-
-def gemv_swiglu_ref(w_f32, xq8, xs):
-    """The separate kernels' references chained: the GEMV's product, then swiglu_ref's q8."""
+def gemv_swiglu_ref(w_f32, xq8, xs, r: float = 1.0):
+    """The separate kernels' references chained: the GEMV's product (times the norm factor r
+    of an unnormalized input), then swiglu_ref's q8."""
     from ninfer.gpu.cuda.swiglu import swiglu_ref
 
-    gu = gemv_q8_ref(w_f32, xq8, xs, None)
+    gu = gemv_q8_ref(w_f32, xq8, xs, None) * r
     return swiglu_ref(gu.astype(np.float32), "q8")
+
+
+# -- one activation row whose output is the next RMSNorm's int8 input ------------------------
+#
+# `gemv_norm` is the O / down GEMV of a one-token step (x += W h) that also writes the next
+# GEMV's int8 input, so there is no RMSNorm launch: RMSNorm's y = x * w * r (r = 1 / sqrt(mean
+# (x^2) + eps)) quantizes to the same int8 codes as x * w (the codes of a block do not change
+# with a common factor, only its scale does), and r is one number for the whole row. A block
+# owns 32 consecutive rows (NORM_GROUPS lane groups), so one warp quantizes x * w of its rows
+# into one int8 block and adds their sum of squares into sums[slot] (one atomic a block); the
+# consumer (gemv_rope / gemv_swiglu, `norm=`) multiplies its row sums by r from sums[slot].
+# sums is cleared by the step's embed launch (forward.py: one slot per fold of the step).
+
+NORM_GROUPS = 32  # rows a gemv_norm block owns: one int8 block of the next input
+NORM_LANES = 2 if SIMULATOR else 32  # 1,024 threads (<= 64 registers each); 16 lanes measured slower
+NORM_UNROLL = 4
+
+
+def _make_gemv_norm(qtype: str, lanes: int, U: int):
+    sums_of = _make_pair_sums(qtype, lanes, U, R=1)
+    groups = NORM_GROUPS
+
+    def gemv_norm(qs, d16, aux, sc8, xa, xs, num_rows, num_blocks, out, res, norm_w, q_out, s_out, sums, slot):
+        tid = cuda.threadIdx.x
+        gi = tid // lanes
+        sub = tid % lanes
+        j = cuda.blockIdx.y * groups + gi
+        y_sh = cuda.shared.array(groups, float32)
+        sq_sh = cuda.shared.array(groups, float32)
+        v, _ = sums_of(qs, d16, xa, xs, j, 1, num_rows - 1, sub, num_blocks, j < num_rows)
+        if sub == 0:
+            x = float32(0.0)
+            if j < num_rows:
+                x = v + res[0, j]
+                out[0, j] = x
+                y_sh[gi] = x * norm_w[j]
+            else:
+                y_sh[gi] = float32(0.0)
+            sq_sh[gi] = x * x
+        cuda.syncthreads()
+        if tid < 32:  # one warp: the block's int8 block and its share of the sum of squares
+            c = cuda.blockIdx.y
+            store_q8(y_sh[tid], 32 * c < num_rows, q_out, s_out, 0, c, tid)
+            total = warp_sum(sq_sh[tid])
+            if tid == 0:
+                cuda.atomic.add(sums, slot, total)
+
+    return gemv_norm
+
+
+@functools.cache
+def gemv_norm_kernel(qtype: str, lanes: int, unroll: int):
+    return cuda.jit(_make_gemv_norm(qtype, lanes, unroll))
+
+
+def gemv_norm(w, xa, xs, out, res, norm_w, q_out, s_out, sums, slot: int, stream=0, lanes: int | None = None) -> None:
+    """out[0] = q8 row 0 (xa, xs) @ w.T + res[0], and the next RMSNorm's input without its
+    factor: int8 blocks of out[0] * norm_w into q_out / s_out row 0, sum(out[0]^2) added to
+    sums[slot] (which must start at zero). w.rows must be a multiple of 32."""
+    lanes = lanes or NORM_LANES
+    kernel = gemv_norm_kernel(w.qtype, lanes, NORM_UNROLL)
+    kernel[(1, -(-w.rows // NORM_GROUPS)), NORM_GROUPS * lanes, stream](
+        *w.planes, xa, xs, w.rows, w.num_blocks, out, res, norm_w, q_out, s_out, sums, slot
+    )
+
+
+def gemv_norm_ref(w_f32, xq8, xs, res, norm_w):
+    """(out, int8 codes, scales, sum of squares): the q8 GEMV's product plus res, then the
+    codes of out * norm_w (act_quant's reference) and sum(out^2)."""
+    from ninfer.gpu.cuda.act_quant import quantize_q8_ref
+
+    out = gemv_q8_ref(w_f32, xq8, xs, res).astype(np.float32)
+    q, s = quantize_q8_ref(out * norm_w.reshape(1, -1))
+    return out, q, s, float(np.sum(np.square(out.astype(np.float64))))
 
 
 # -- one activation row with its producer folded in -------------------------------------------
@@ -645,12 +741,15 @@ def ptx_cases():
     f2 = types.float32[:, ::1]
     u2 = types.uint32[:, ::1]
     for qtype in WLOAD:  # the epilogue folds (their own shapes, as gemv_swiglu / gemv_rope pick)
-        swiglu_sig = (*plane_types(qtype), u2, f2, int32, int32, types.int8[:, ::1], f2)
+        f1, i1, i8, cache = types.float32[::1], types.int32[::1], types.int8[:, ::1], types.float16[:, :, :, ::1]
+        norm = (f1, types.int64, types.float32)  # the consumer's (sums, slot, eps)
+        swiglu_sig = (*plane_types(qtype), u2, f2, int32, int32, i8, f2, *norm)
         cases.append((f"gemv_swiglu_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL), swiglu_sig))
-        f1, i1, cache = types.float32[::1], types.int32[::1], types.float16[:, :, :, ::1]
         rope_sig = (*plane_types(qtype), u2, f2, int32, f1, types.boolean, f2, f2, i1, i1, i1, f2, cache, cache, int32,
-                    int32)  # fmt: skip
+                    int32, *norm)  # fmt: skip
         cases.append((f"gemv_rope_{qtype}_hd128", _make_gemv_rope(qtype, 32, ROPE_UNROLL, 128, False), rope_sig))
+        norm_sig = (*plane_types(qtype), u2, f2, int32, int32, f2, f2, f1, i8, f2, f1, types.int64)
+        cases.append((f"gemv_norm_{qtype}", _make_gemv_norm(qtype, NORM_LANES, NORM_UNROLL), norm_sig))
     for qtype in WLOAD:
         sig = (*plane_types(qtype), f2, f2, f2, f2, int32, types.float32, types.boolean)
         for prologue, lanes, cols in (("norm", 16, 576), ("swiglu", 32, 1536), ("norm", 32, 4096), ("swiglu", 32, 14336)):

@@ -142,8 +142,9 @@ def check_gemv_fused(scale, rng):
 
 def check_gemv_epilogue(scale, rng):
     """gemv_swiglu (h = silu(gate) * up from paired rows, quantized) against the q8 GEMV's
-    product through swiglu_ref (codes may differ by one on a rounding boundary); and
-    gemv_rope (`_check_gemv_rope`)."""
+    product through swiglu_ref (codes may differ by one on a rounding boundary), also taking
+    an unnormalized input whose norm factor it applies; gemv_rope (`_check_gemv_rope`, the
+    same); and gemv_norm (`_check_gemv_norm`)."""
     tiny = scale == "tiny"
     for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
         cols = 64 if tiny else (4096, 14336, 4096)[i]
@@ -153,15 +154,50 @@ def check_gemv_epilogue(scale, rng):
         for rep in range(2):
             xq, xs = act_quant.quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
             hq, hs = _poisoned((1, f), np.int8), _poisoned((1, f // 16))
-            gemv.gemv_swiglu(w, _dev(xq.view(np.uint32)), _dev(xs), hq, hs)
-            want_q, want_s = gemv.gemv_swiglu_ref(t.dequantize(), xq, xs)
+            norm, r = _norm_case(cols, rng) if rep == 1 else (None, 1.0)
+            gemv.gemv_swiglu(w, _dev(xq.view(np.uint32)), _dev(xs), hq, hs, norm=norm)
+            want_q, want_s = gemv.gemv_swiglu_ref(t.dequantize(), xq, xs, r)
             _check_q8(hq.copy_to_host(), hs.copy_to_host(), want_q, want_s, f"gemv_swiglu {q} ({rep})")
-        _check_gemv_rope(q, tiny, rng, has_bias=i == 1)
+        _check_gemv_rope(q, tiny, rng, has_bias=i == 1, normed=i != 0)
+        _check_gemv_norm(q, tiny, rng)
 
 
-def _check_gemv_rope(q, tiny, rng, has_bias):
+def _norm_case(cols, rng, eps=1e-5):
+    """A consumer's `norm=` (sums on the device, slot 2 of 4, eps) and its factor r."""
+    sums = (rng.random(4) * cols).astype(np.float32)
+    r = 1.0 / np.sqrt(np.float64(sums[2]) / cols + eps)
+    return (_dev(sums), 2, eps), r
+
+
+def _check_gemv_norm(q, tiny, rng):
+    """gemv_norm: x += W h and the next norm's int8 input (codes of x * w) and sum(x^2) added
+    to its slot, other slots untouched; more than one block, rows not all one block's."""
+    rows, cols = (96, 64) if tiny else (4096, 14336 if q == "Q4_1" else 4096)
+    t = random_stored(q, rows, cols, rng)
+    xq, xs = act_quant.quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+    res = rng.standard_normal((1, rows)).astype(np.float32)
+    nw = (1.0 + 0.2 * rng.standard_normal(rows)).astype(np.float32)
+    x = _dev(res)
+    oq, os_ = _poisoned((2, rows), np.int8), _poisoned((2, rows // 16))
+    sums0 = np.array([3.0, 5.0, 0.0, 7.0], np.float32)
+    sums = _dev(sums0)
+    gemv.gemv_norm(_weight(pack_tensor(t)), _dev(xq.view(np.uint32)), _dev(xs), x, x, _dev(nw), oq[:1], os_[:1], sums, 2)
+    want_x, want_q, want_s, want_ss = gemv.gemv_norm_ref(t.dequantize(), xq, xs, res, nw)
+    _close(x.copy_to_host(), want_x, 2e-5, f"gemv_norm {q} x")
+    got_q, got_s = oq.copy_to_host(), os_.copy_to_host()
+    _check_q8(got_q[:1], got_s[:1], want_q, want_s, f"gemv_norm {q} codes")
+    if (got_q[1] != np.iinfo(np.int8).max).any():
+        raise AssertionError(f"gemv_norm {q}: wrote past its output row")
+    got_sums = sums.copy_to_host()
+    _close(got_sums[2:3], [want_ss], 1e-5, f"gemv_norm {q} sum of squares")
+    if (got_sums[[0, 1, 3]] != sums0[[0, 1, 3]]).any():
+        raise AssertionError(f"gemv_norm {q}: changed another slot")
+
+
+def _check_gemv_rope(q, tiny, rng, has_bias, normed=False):
     """gemv_rope against the q8 GEMV's product through rope.qkv_post_ref: q, and the pools with
-    the token's K / V at (page, slot) and nothing else changed (float32 pools)."""
+    the token's K / V at (page, slot) and nothing else changed (float32 pools). `normed`: the
+    input is unnormalized and the kernel applies the factor from `norm=`."""
     from ninfer.gpu.reference import rope_angles
 
     spec = _spec("tiny" if tiny else "real", num_heads=4 if tiny else 32, num_kv_heads=2 if tiny else 8,
@@ -176,9 +212,10 @@ def _check_gemv_rope(q, tiny, rng, has_bias):
     pools = [rng.standard_normal((4, 4, spec.num_kv_heads, spec.head_dim)).astype(np.float32) for _ in range(2)]
     d_k, d_v = _dev(pools[0]), _dev(pools[1])
     q_out = _poisoned((2, spec.q_dim))
+    norm, r = _norm_case(cols, rng) if normed else (None, 1.0)
     gemv.gemv_rope(spec, _weight(pack_tensor(t)), _dev(xq.view(np.uint32)), _dev(xs), None if bias is None else _dev(bias),
-                   _dev(cos), _dev(sin), _dev(pos), _dev(page), _dev(slot), q_out, d_k, d_v)  # fmt: skip
-    qkv = gemv.gemv_q8_ref(t.dequantize(), xq, xs, None).astype(np.float32)
+                   _dev(cos), _dev(sin), _dev(pos), _dev(page), _dev(slot), q_out, d_k, d_v, norm=norm)  # fmt: skip
+    qkv = (gemv.gemv_q8_ref(t.dequantize(), xq, xs, None) * r).astype(np.float32)
     want_q, want_k, want_v = rope.qkv_post_ref(spec, qkv, bias, None, None, cos, sin, pos)
     _close(q_out.copy_to_host()[:1], want_q, 2e-5, f"gemv_rope {q} q")
     for name, got, old, want in (("k", d_k, pools[0], want_k), ("v", d_v, pools[1], want_v)):
@@ -723,16 +760,20 @@ def check_runner(scale, rng):
             _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             one.close()
             # the 8B path: no prologue fold, the epilogue folds instead (gemv_swiglu, and
-            # gemv_rope where there is no q/k norm: a llama model too)
+            # gemv_rope where there is no q/k norm: a llama model too, which takes gemv_norm)
             llama = random_spec("tiny", arch="llama")
             for e_spec, e_model in ((spec, model), (llama, random_model(llama, "Q4_1", seed=int(rng.integers(1 << 30))))):
                 epi = CudaRunner(e_model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
                                  split_len=8)  # fmt: skip
                 epi.forward.folds = frozenset()
                 epi.forward.epilogues = epi.forward.epilogues_with(frozenset())
+                epi.forward.norm_out = True  # gemv_norm (off by default) where both epilogues are taken
+                epi.forward.merge_in_attention = True  # the last-split merge (off by default)
                 want = set(forward.EPILOGUES) - ({"qkv_rope"} if e_spec.has_qk_norm else set())
                 if epi.forward.epilogues != want:
                     raise AssertionError(f"{e_spec.arch}: epilogues {sorted(epi.forward.epilogues)}, not {sorted(want)}")
+                if epi.forward.norm_out_taken != (not e_spec.has_qk_norm):  # gemv_norm: llama only (both epilogues)
+                    raise AssertionError(f"{e_spec.arch}: NORM_OUT taken: {epi.forward.norm_out_taken}")
                 _compare_one_row(epi, ReferenceRunner(e_model, num_pages=8, page_size=4), e_spec, rng, rtol)
                 epi.close()
 
