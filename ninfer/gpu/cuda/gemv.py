@@ -217,9 +217,9 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
 #   one warp quantizes them into the down GEMV's int8 block.
 #
 # Each saves a launch and a DRAM-latency-bound small kernel per layer (forward.py EPILOGUES).
-# Folding RMSNorm into the O / down GEMV the same way (the last block to finish, found by an
-# atomic count after every block fenced its stores, normalizes the row) was correct but slower
-# on the H200 (8B Q8_0: 3.671 vs 3.447 ms a step) and was removed (docs/performance.md).
+# Folding RMSNorm into the O / down GEMV by its last block to finish (an atomic count after
+# every block fenced its stores) was correct but slower on the H200 (8B Q8_0: 3.671 vs 3.447
+# ms a step) and was removed; `gemv_norm` below does it without a last block (off by default).
 
 SWIGLU_GROUPS = 32  # lane groups of a gemv_swiglu block: one 32-column int8 block of h
 SWIGLU_LANES = 2 if SIMULATOR else 8
