@@ -162,7 +162,7 @@ def _make_block_merge(group: int, head_dim: int, threads: int, mode: str):
     return block_merge
 
 
-def decode_chunk(head_dim: int, split_len: int, threads: int = DECODE_THREADS) -> int:
+def decode_chunk(head_dim: int) -> int:
     """Positions per warp whose K / V the split kernel loads together: 16 floats of K each.
     A split's whole share of a warp (8 positions at splits of 32, 32 floats) measured slower
     on the H200 (8B, one row: merged split 15.35 vs 14.59 us a layer by attn_tune, 3.588 vs
@@ -179,7 +179,7 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
     epl = head_dim // 32
     nw = threads // 32
     ge = group * epl  # register array sizes must be compile-time constants
-    ch = ch or decode_chunk(head_dim, split_len, threads)
+    ch = ch or decode_chunk(head_dim)
     num_chunks = -(-split_len // (nw * ch))
     che = ch * epl
     gd = group * head_dim  # the rotated q of the group (post)

@@ -8,7 +8,7 @@ For each model shape, rows bucket and context (every row that long, float16 KV i
 per layer, each layer reading its own K/V pool (enough pools that a replay does not find the
 previous layer's K/V in L2, as in a decode step). Prints us per layer (median of replays) for
 `split`, for one row of at most 8 splits the split kernel merging in its last split (`merged
-chN`: N positions per warp loaded together, auto = attention.decode_chunk), each one-launch
+chN`: N positions per warp loaded together: attention.decode_chunk and twice that), each one-launch
 variant (warps x chunk), and whether `attention.use_one_launch`
 picks one launch for that (rows, context) bucket, so its limits can be set from the table.
 """
@@ -82,7 +82,8 @@ def time_case(spec, rows: int, context: int, variants, mode: str, stream, rng, r
 
     cases = [("split", split_launch(False))]
     if rows == 1 and splits <= attention.MERGE_UNROLL:  # the runner's merged path (forward.MERGE_IN_ATTENTION)
-        cases += [(f"merged ch{c or 'auto'}", split_launch(True, c)) for c in (0, 16 // (spec.head_dim // 32))]
+        auto = attention.decode_chunk(spec.head_dim)
+        cases += [(f"merged ch{c}", split_launch(True, c)) for c in (auto, 2 * auto)]
     cases += [(f"one {w}x{c}", one_launch(w, c)) for w, c in variants]
     graphs = GraphCache(stream)
     results = []
