@@ -70,6 +70,8 @@ class Forward:
     """Owns references to the device model, buffers, KV pool and RoPE tables."""
 
     def __init__(self, spec, model, bufs, k_pool, v_pool, cos, sin, *, q8: bool, split_len: int, sampler_threads: int):
+        self._init_args = ((spec, model, bufs, k_pool, v_pool, cos, sin),
+                           dict(q8=q8, split_len=split_len, sampler_threads=sampler_threads))  # fmt: skip
         self.spec = spec
         self.model = model
         self.bufs = bufs
@@ -103,6 +105,12 @@ class Forward:
         self._posts = [self._post_args(layer) for layer in model.layers]
         self.post_in_attention = POST_IN_ATTENTION  # read at launch: set it before the first step
         self.merge_in_attention = MERGE_IN_ATTENTION
+
+    def rebuilt(self) -> Forward:
+        """A Forward over the same model and buffers that reads the module's switches anew
+        (A/B timing: profile --variant)."""
+        args, kwargs = self._init_args
+        return Forward(*args, **kwargs)
 
     def launch(self, plan: StepPlan, stream) -> None:
         b = self.bufs

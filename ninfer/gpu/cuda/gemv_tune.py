@@ -96,6 +96,50 @@ def tune_linear(name, qtype, rows, cols, stream, rng, variants=None) -> list[dic
     return rows_out
 
 
+@cuda.jit
+def _gap(ns):
+    """One thread idles ~`ns` nanoseconds: a latency-bound kernel that leaves HBM idle."""
+    for _ in range(ns // 1000):
+        cuda.nanosleep(1000)
+
+
+def tune_l2(name, qtype, rows, cols, stream, rng, gap_us: int) -> dict:
+    """The one-row q8 GEMV after an idle window of ~gap_us: with its matrix cold (HBM), warmed
+    by l2_prefetch at the window's start, and hot (the same copy every launch: L2-resident when
+    it fits). us = per launch, the window alone subtracted."""
+    from ninfer.gpu.cuda import l2_prefetch
+
+    packed = pack_tensor(random_stored(qtype, rows, cols, rng))
+    copies = max(2, min(64, -(-MIN_BYTES // packed.nbytes)))
+    ws = [upload_weight(packed, stream) for _ in range(copies)]
+    ranges = [cuda.to_device(l2_prefetch.weight_ranges([w]), stream=stream) for w in ws]
+    from ninfer.gpu.cuda.act_quant import quantize_q8_ref
+
+    xq, xs = quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+    d_xq, d_xs = cuda.to_device(xq.view(np.uint32), stream=stream), cuda.to_device(xs, stream=stream)
+    out = cuda.device_array((1, rows), np.float32)
+    ns = np.int64(gap_us * 1000)
+
+    def launch(mode):
+        def go():
+            for k, w in enumerate(ws):
+                if mode == "prefetched":
+                    l2_prefetch.prefetch(ranges[k], stream)
+                _gap[1, 1, stream](ns)
+                if mode != "gap":
+                    gemv.gemv(ws[0] if mode == "hot" else w, d_xq, d_xs, out, None, 1, "q8", stream)
+        return go
+
+    ms = {mode: _time_graph(stream, launch(mode)) for mode in ("gap", "cold", "prefetched", "hot")}
+    res = {"linear": name, "qtype": qtype, "rows": rows, "cols": cols, "MB": round(packed.nbytes / 1e6, 1),
+           "gap_us": round(1e3 * ms["gap"] / copies, 2)}  # fmt: skip
+    for mode in ("cold", "prefetched", "hot"):
+        res[mode + "_us"] = round(1e3 * (ms[mode] - ms["gap"]) / copies, 2)
+    print(json.dumps(res), flush=True)
+    del ws
+    return res
+
+
 def tune_small(spec, stream, rng) -> list[dict]:
     out = []
     d = spec.d_model
@@ -132,7 +176,27 @@ def tune_small(spec, stream, rng) -> list[dict]:
 
     out.append({"kernel": "attn_decode+combine", "context": ctx, "us": round(1e3 * _time_graph(stream, attn_launch) / n, 2)})
     print(json.dumps(out[-1]), flush=True)
+    out.append({"kernel": "sampler, one greedy row", "vocab": spec.vocab_size, "us": _time_sampler(spec, stream, rng, n)})
+    print(json.dumps(out[-1]), flush=True)
     return out
+
+
+def _time_sampler(spec, stream, rng, n) -> float:
+    from ninfer.gpu.cuda import sampler
+
+    v = spec.vocab_size
+    zeros = lambda shape, dtype: cuda.to_device(np.zeros(shape, dtype), stream=stream)  # noqa: E731
+    logits = cuda.to_device(rng.standard_normal((1, v)).astype(np.float32), stream=stream)
+    args = (logits, zeros((1, v), np.float32), zeros((1, sampler.NUM_FPAR), np.float32),
+            zeros((1, sampler.NUM_IPAR), np.int32), zeros((1, 2), np.uint64), zeros(1, np.int32), zeros(1, np.int32),
+            zeros((1, (v + 31) // 32), np.uint32), zeros(1, np.int32), zeros(1, np.float32), zeros((1, 8), np.int32),
+            zeros((1, 8), np.float32))  # fmt: skip
+
+    def launch():
+        for _ in range(n):
+            sampler.sample(args, 1, stream)
+
+    return round(1e3 * _time_graph(stream, launch) / n, 2)
 
 
 def _tile_arg(text: str):
@@ -197,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", help="q8 GEMV shapes to time, e.g. l32r2u4,l8r2u2 (default: the built-in set)")
     p.add_argument("--linears", default="qkv,o,gate_up,down,head", help="which linears to time")
     p.add_argument("--gemm", action="store_true", help="time the prefill GEMM instead of the decode kernels")
+    p.add_argument("--l2", type=int, default=0, metavar="GAP_US",
+                   help="time each linear's GEMV after an idle window of GAP_US: cold, L2-prefetched, hot")  # fmt: skip
     p.add_argument("--tokens", default="512,4096", help="--gemm: token counts (M)")
     p.add_argument("--tiles", default="auto,64x64,32x64,32x32", help="--gemm: tiles, auto = gemm.pick_tile")
     args = p.parse_args(argv)
@@ -219,9 +285,12 @@ def main(argv=None) -> int:
                                      ("gate_up", 2 * spec.d_ffn, spec.d_model, args.qtype),
                                      ("down", spec.d_model, spec.d_ffn, args.qtype),
                                      ("head", spec.vocab_size, spec.d_model, "Q8_0")):  # fmt: skip
-            if name in args.linears.split(","):
+            if name in args.linears.split(",") and args.l2:
+                results.append(dict(tune_l2(name, qt, rows, cols, stream, rng, args.l2), shape=shape))
+            elif name in args.linears.split(","):
                 results += [dict(r, shape=shape) for r in tune_linear(name, qt, rows, cols, stream, rng, variants)]
-        results += [dict(r, shape=shape) for r in tune_small(spec, stream, rng)]
+        if not args.l2:
+            results += [dict(r, shape=shape) for r in tune_small(spec, stream, rng)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -119,6 +119,22 @@ if not SIMULATOR:
         return sig, codegen
 
     @intrinsic
+    def bulk_prefetch_l2(typingctx, addr, nbytes):
+        """Start fetching `nbytes` (a multiple of 16) at global address `addr` (16-byte aligned)
+        into L2: one instruction for the copy engine (sm_90+), no register, no wait."""
+        sig = types.void(addr, nbytes)
+
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[0], signature.args[0], types.int64)
+            n = context.cast(builder, args[1], signature.args[1], types.int32)
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), _I32])
+            text = "cp.async.bulk.prefetch.L2.global [$0], $1;"
+            builder.call(ir.InlineAsm(fnty, text, "l,r", side_effect=True), [a, n])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def ld_f32_cg(typingctx, arr, i0, i1, i2, i3):
         """arr[i0, i1, i2, i3] (float32) from L2, never L1: data other blocks of this kernel wrote."""
         sig = types.float32(arr, i0, i1, i2, i3)
@@ -303,6 +319,11 @@ else:
 
     def prefetch_l2(arr, row, col):
         pass
+
+    BULK_PREFETCHES: list = []  # the simulator's record of bulk_prefetch_l2 calls (addr, nbytes)
+
+    def bulk_prefetch_l2(addr, nbytes):
+        BULK_PREFETCHES.append((int(addr), int(nbytes)))
 
     def bits_to_f32(bits):
         return np.array([int(bits) & _M32], dtype=np.uint32).view(np.float32)[0]

@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda
 
 from ninfer.gpu.cuda import (
-    act_quant, attention, dequant, embed, flash, forward, gemm, gemv, norm, pages, rope, sampler, swiglu,
+    act_quant, attention, dequant, embed, flash, forward, gemm, gemv, l2_prefetch, norm, pages, rope, sampler, swiglu,
 )
 from ninfer.gpu.cuda.device_weights import host_weight, upload_weight
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
@@ -556,6 +556,38 @@ def check_flash_prefill(scale, rng):
         _close(out.copy_to_host(), np.concatenate(wants), 3e-3, f"flash_prefill hd{spec.head_dim}")
 
 
+# -- L2 prefetch ----------------------------------------------------------------------------------
+
+
+def check_l2_prefetch(scale, rng):
+    """The ranges of a weight (whole, and a leading fraction) and the kernel's pieces: under the
+    simulator every byte of every range is requested exactly once, in pieces of at most
+    PIECE_BYTES (the simulator records the calls); on a GPU the kernel runs over a real
+    weight's ranges (a prefetch has no output to compare)."""
+    w = _weight(pack_tensor(random_stored("Q8_0", 64, 64 if scale == "tiny" else 4096, rng)))
+    whole, half = l2_prefetch.weight_ranges([w]), l2_prefetch.weight_ranges([w], 0.5)
+    planes = [p for p in w.planes if p.size > 1]
+    want = [(l2_prefetch._address(p), p.size * p.dtype.itemsize) for p in planes]
+    if [tuple(r) for r in whole] != want:
+        raise AssertionError(f"weight_ranges {whole.tolist()} != the planes {want}")
+    if [int(n) for _, n in half] != [n // 2 // 16 * 16 for _, n in want]:
+        raise AssertionError(f"weight_ranges at 0.5: {half.tolist()}")
+    if not SIMULATOR:
+        l2_prefetch.prefetch(_dev(whole))
+        cuda.synchronize()
+        return
+    from ninfer.gpu.cuda import intrinsics
+
+    piece = l2_prefetch.PIECE_BYTES
+    # more pieces than threads (the deal wraps), a short range, a range of one partial piece
+    ranges = np.array([(1 << 20, 21 * piece + 48), (1 << 30, 48), (3 << 30, 4 * piece)], np.int64)
+    intrinsics.BULK_PREFETCHES.clear()
+    l2_prefetch.prefetch(_dev(ranges))
+    got = l2_prefetch.covered(intrinsics.BULK_PREFETCHES)
+    if got != [(int(a), int(a + n)) for a, n in ranges]:
+        raise AssertionError(f"prefetched {got} != the ranges {ranges.tolist()}")
+
+
 # -- sampling and pages ------------------------------------------------------------------------------
 
 
@@ -586,13 +618,28 @@ def _sample_specs(vocab, rng):
 
 
 def check_sampler(scale, rng):
-    from ninfer.gpu import sampling
     from ninfer.gpu.runner import MAX_TOP_LOGPROBS
 
-    vocab = 200 if scale == "tiny" else 49152
+    # tiny: 1,200 logits take the quad pass's unrolled loads past one round of the block and a
+    # partial last round; 201 (not a multiple of 4) the scalar pass
+    vocabs = (1200, 201) if scale == "tiny" else (49152, 128256)
     threads = 64 if scale == "tiny" else sampler.THREADS
-    specs = _sample_specs(vocab, rng)
-    rounds = 1 if scale == "tiny" else 20
+    rounds = 1 if scale == "tiny" else 10
+    off_exact = 0
+    for vocab in vocabs:
+        specs = _sample_specs(vocab, rng)
+        off_exact += _check_sampler_vocab(specs, vocab, rounds, threads, rng)
+    # A draw that lands within float rounding of a boundary may go either way: one in 1000.
+    if off_exact > len(specs) * rounds * len(vocabs) // 1000:
+        raise AssertionError(f"sampler: {off_exact} of {len(specs) * rounds * len(vocabs)} tokens differ from the reference")
+    assert MAX_TOP_LOGPROBS >= 5
+
+
+def _check_sampler_vocab(specs, vocab, rounds, threads, rng) -> int:
+    """Rows of `vocab` random logits through the device sampler against the reference; the
+    number of draws that differ (logprobs and top lists must match)."""
+    from ninfer.gpu import sampling
+
     off_exact = 0
     for _ in range(rounds):
         logits = (rng.standard_normal((len(specs), vocab)) * 3).astype(np.float32)
@@ -607,10 +654,7 @@ def check_sampler(scale, rng):
             k = s.num_top_logprobs
             if k and (list(top_ids[:k]) != list(want.top_ids) or np.abs(top_lp[:k] - want.top_logprobs).max() > 1e-4):
                 raise AssertionError(f"sampler row {r}: top logprobs {top_ids[:k]} != {want.top_ids}")
-    # A draw that lands within float rounding of a boundary may go either way: one in 1000.
-    if off_exact > len(specs) * rounds // 1000:
-        raise AssertionError(f"sampler: {off_exact} of {len(specs) * rounds} tokens differ from the reference")
-    assert MAX_TOP_LOGPROBS >= 5
+    return off_exact
 
 
 def _exact_draw(logits, spec):

@@ -112,6 +112,29 @@ def _ncu_prefill(runner, prompt_len) -> int:
     return 0
 
 
+def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict]:
+    """Each variant's code runs over the modules' default switches (upper-case globals, restored
+    first), then the forward is rebuilt and every graph dropped, so the variant is captured anew."""
+    from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, sampler
+
+    mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler}
+    defaults = {m: {k: v for k, v in vars(mod).items() if k.isupper()} for m, mod in mods.items()}
+    results = []
+    for rnd in range(rounds):
+        for v in variants:
+            label, _, code = v.partition(":")
+            for m, mod in mods.items():
+                vars(mod).update(defaults[m])
+            exec(code, dict(mods))
+            runner.forward = runner.forward.rebuilt()
+            runner._graphs.close()
+            for s in streams:
+                results.append({"variant": f"{label} (round {rnd + 1}) ", **profile_streams(runner, s, prompt_len, steps)})
+                r = results[-1]
+                print(f"{r['variant']}streams {s}: graph on GPU {r['graph_gpu_ms']:.4f} ms", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ninfer.gpu.cuda.profile")
     p.add_argument("model", nargs="?")
@@ -122,6 +145,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--activations", default="f32")
     p.add_argument("--json")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL:PYTHON",
+                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler) "
+                        "over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2, help="with --variant: passes over the variants")
     p.add_argument("--ncu", action="store_true", help="under `ncu --profile-from-start off`: after warm-up, "
                    "replay each stream count's decode graph once between cuProfilerStart / Stop")  # fmt: skip
     p.add_argument("--prefill", type=int, default=0, help="with --ncu: profile one prefill of this many tokens "
@@ -143,10 +170,13 @@ def main(argv=None) -> int:
         return _ncu_prefill(runner, args.prefill)
     if args.ncu:
         return _ncu_replays(runner, streams, args.prompt)
-    results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
+    if args.variant:
+        results = _variants(runner, args.variant, streams, args.prompt, args.steps, args.rounds)
+    else:
+        results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
     for r in results:
-        print(f"streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU {r['graph_gpu_ms']} ms "
-              f"({r['graph_nodes']} kernels)")  # fmt: skip
+        print(f"{r.get('variant', '')}streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU "
+              f"{r['graph_gpu_ms']} ms ({r['graph_nodes']} nodes)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

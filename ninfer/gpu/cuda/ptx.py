@@ -22,6 +22,7 @@ import sys
 
 KERNEL_MODULES = (
     "dequant", "gemv", "gemm", "norm", "rope", "attention", "flash", "swiglu", "embed", "act_quant", "sampler", "pages",
+    "l2_prefetch",
 )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from ninfer.gpu.cuda.intrinsics import (
     block_sum,
     block_sum_u64,
     f32_to_bits,
+    ld4_f32,
     order_key,
     uniform,
 )
@@ -126,6 +127,55 @@ def select_prefix(scores, r, temp, zmax, min_p, tau_min, weighted, target, scrat
     return (uint64(v) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(a))
 
 
+STATS_UNROLL = 4  # 16-byte loads of logits in flight per thread in the statistics pass
+_STATS_VALS = 4 * STATS_UNROLL
+
+
+@device
+def _add_quad(m, s, best, v0, v1, v2, v3, i, plain):
+    """(max, sum of exp(v - max), best order key) after four more logits, ids i .. i + 3."""
+    qm = max(max(v0, v1), max(v2, v3))
+    if qm > m:
+        s *= math.exp(m - qm)
+        m = qm
+    if qm > float32(-math.inf):
+        s += math.exp(v0 - m) + math.exp(v1 - m) + math.exp(v2 - m) + math.exp(v3 - m)
+    if plain:
+        best = max(best, max(max(order_key(v0, i), order_key(v1, i + 1)), max(order_key(v2, i + 2), order_key(v3, i + 3))))
+    return m, s, best
+
+
+@device
+def logit_stats(logits, r, threads, plain):
+    """This thread's share of row r in one pass: (max, sum of exp(x - max), and when `plain`
+    the best order key). Rows of a multiple of 4 logits are read as 16-byte quads, STATS_UNROLL
+    of them in flight at once: the row is in L2, so the pass waits on ~vocab / (16 threads)
+    round trips spread over the block instead of one per logit."""
+    tid = cuda.threadIdx.x
+    vocab = logits.shape[1]
+    m = float32(-math.inf)
+    s = float32(0.0)
+    best = uint64(0)
+    if vocab % 4 == 0:  # every row starts 16-byte aligned
+        nq = vocab // 4
+        vals = cuda.local.array(_STATS_VALS, float32)
+        for q0 in range(tid, nq, threads * STATS_UNROLL):
+            for u in range(STATS_UNROLL):
+                q = min(q0 + u * threads, nq - 1)  # past the end: the last quad again (same max, not summed)
+                vals[4 * u], vals[4 * u + 1], vals[4 * u + 2], vals[4 * u + 3] = ld4_f32(logits, r, 4 * q)
+            for u in range(STATS_UNROLL):
+                if q0 + u * threads < nq:
+                    m, s, best = _add_quad(m, s, best, vals[4 * u], vals[4 * u + 1], vals[4 * u + 2], vals[4 * u + 3],
+                                           4 * (q0 + u * threads), plain)  # fmt: skip
+    else:
+        ninf = float32(-math.inf)
+        for i in range(tid, vocab, threads):
+            m, s, best = _add_quad(m, s, best, logits[r, i], ninf, ninf, ninf, i, False)
+            if plain:
+                best = max(best, order_key(logits[r, i], i))
+    return m, s, best
+
+
 @device
 def key_id(key):
     return int32(uint32(0xFFFFFFFF) - uint32(key & uint64(0xFFFFFFFF)))
@@ -141,19 +191,10 @@ def make_sampler(threads: int = THREADS):
         temp = fpar[r, 0]
         has_mask = ipar[r, 2] != 0
         plain = not has_mask and ipar[r, 3] == ipar[r, 4]  # no mask, no penalty: scores = logits
-        # 1. raw log-softmax statistics (and, when plain and greedy, the arg-max on the way)
-        mx = float32(-math.inf)
-        best = uint64(0)
-        for i in range(tid, vocab, threads):
-            v = logits[r, i]
-            mx = max(mx, v)
-            if plain:
-                best = max(best, order_key(v, i))
+        # 1. raw log-softmax statistics (and, when plain, the arg-max on the way): one pass
+        mx, s, best = logit_stats(logits, r, threads, plain)
         big = block_max(mx, fs)
-        s = float32(0.0)
-        for i in range(tid, vocab, threads):
-            s += math.exp(logits[r, i] - big)
-        log_total = math.log(block_sum(s, fs))
+        log_total = math.log(block_sum(s * math.exp(mx - big), fs))
         # 2.-4. scores: grammar mask, then penalties over unique ids (one thread per id)
         src = logits
         if not plain:
