@@ -31,7 +31,7 @@ from numba import cuda, float32, int32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, device, group_max, group_sum, ld8, ld8_pinned, ld_f32_cg, shfl_xor, warp_sum,
+    SIMULATOR, device, group_max, group_sum, ld4_f32, ld8, ld8_pinned, ld_f32_cg, shfl_xor, warp_max, warp_sum,
 )
 from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
 
@@ -354,6 +354,184 @@ def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, ou
         attn_combine_kernel(spec.head_dim, split_len, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](
             o_part, ml_part, seq_lens, out, xs
         )
+
+
+# -- decode, lanes over positions: a split of 32 positions, one a lane ---------------------------
+
+# For few rows, the split kernel above spends its time in latency chains: 4 warps walk a split's
+# positions with lanes over head_dim, so every score is a 5-shuffle warp sum, for every query
+# head and position in turn. Here lane i of every warp owns position i of the block's split of
+# 32: warp w scores it against the group's q (from shared memory) over columns [w c, (w + 1) c)
+# of head_dim (c = LP_COLS) with plain FMAs, the warps' partial scores add up through shared
+# memory, one warp max and one warp sum per head give the split's softmax, and the P V pass
+# turns to lanes over columns: warp w accumulates columns [w c, (w + 1) c), 8 a lane, over the
+# split's positions (32 / (c / 8) rows a warp load). Page ids are loaded before seq_lens is
+# known, and every K and V load of the split is issued before the first score: one round trip
+# for the ids, one for K / V. The partials merge in attn_combine, as for `attn_decode`.
+LP_SPLIT = 32
+LP_COLS = 64  # head_dim columns a warp covers: its V share is 32 x 64 / 32 = 64 floats a lane
+
+
+# When it is taken, from attn_tune on the H200 (2026-12-04, docs/performance.md; us a layer, lp
+# vs split + combine vs one launch): at head_dim 128 (8B) it is at or below split + combine for
+# 1 to 16 rows and contexts 128 to 1,024 (1 row: 12.25 vs 12.45 at 128, 17.47 vs 18.25 at
+# 1,024; 16 rows at 1,024: 93.6 vs 121.5), but one launch wins where use_one_launch picks it.
+# At head_dim 64 (SmolLM2) it loses to split + combine for 1 row (13.8 vs 13.0 at 1,024) and
+# wins from 4 rows at long contexts, where it also beats one launch (16 rows at 1,024: 20.8 vs
+# 36.0 one launch, 37.2 split). More than 16 rows are unmeasured and keep split + combine.
+LP_MAX_ROWS = 16
+LP_OVER_ONE = False  # A/B and checks: take it wherever it is supported, one launch included
+
+
+def use_lp(head_dim: int, split_len: int, num_rows: int, context: int, one_launch: bool) -> bool:
+    """Whether a decode bucket (`num_rows` rows of at most `context` positions) takes
+    `attn_decode_lp`, given use_one_launch's answer `one_launch`: a function of the graph key."""
+    if not lp_supported(head_dim, split_len) or num_rows > LP_MAX_ROWS:
+        return False
+    if LP_OVER_ONE:
+        return True
+    if one_launch:  # kept where one launch covers the context in a few chunks, or at head_dim 128
+        return head_dim <= 64 and -(-context // one_launch_chunk(head_dim)) > ONE_SHORT_CHUNKS
+    return head_dim >= 128 or num_rows >= 4
+
+
+def lp_supported(head_dim: int, split_len: int) -> bool:
+    """The lanes-over-positions kernel needs splits of 32 and head_dim 32, 64 or a multiple of 64."""
+    return split_len == LP_SPLIT and (head_dim in (32, 64) or head_dim % LP_COLS == 0)
+
+
+def lp_warps(head_dim: int) -> int:
+    return max(1, head_dim // LP_COLS)
+
+
+def make_attn_decode_lp(head_dim: int, group: int):
+    if not lp_supported(head_dim, LP_SPLIT):
+        raise ValueError(f"the lanes-over-positions decode attention needs head_dim 32, 64 or a multiple of 64, got {head_dim}")
+    vec = ONE_VEC
+    nw = lp_warps(head_dim)
+    cols = head_dim // nw  # a warp's columns
+    lpr = cols // vec  # lanes over one V row (and 16-byte pieces of a warp's K columns)
+    rpw = 32 // lpr  # V rows a warp loads at once
+    npl = 32 // rpw  # positions a lane accumulates in the P V pass
+    gd = group * head_dim
+    gv = group * vec
+    nv = npl * vec
+    threads = 32 * nw
+
+    def attn_decode_lp(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
+        b = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        sp = cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        page_size = k_cache.shape[1]
+        last_t = tables.shape[1] - 1
+        start = sp * LP_SPLIT
+        c0 = warp * cols  # this warp's columns
+        r0 = lane // lpr  # the P V pass: this lane's first row and its 8 columns
+        d0 = c0 + (lane % lpr) * vec
+        # page ids first (clamped to the table, masked below): they do not wait for seq_lens
+        page = tables[b, min((start + lane) // page_size, last_t)]
+        vpg = cuda.local.array(npl, int32)
+        for k in range(npl):
+            vpg[k] = tables[b, min((start + r0 + k * rpw) // page_size, last_t)]
+        qs = cuda.shared.array(gd, float32)
+        part = cuda.shared.array((nw, group, LP_SPLIT), float32)
+        ps = cuda.shared.array((group, LP_SPLIT), float32)
+        for i in range(4 * tid, gd, 4 * threads):  # the group's q, scaled, in 16-byte loads
+            a0, a1, a2, a3 = ld4_f32(q, b, kvh * gd + i)
+            qs[i], qs[i + 1], qs[i + 2], qs[i + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
+        n = seq_lens[b]
+        if start >= n:  # the whole block
+            return
+        cuda.syncthreads()  # qs
+        # every V load of the split before the scores: their latency overlaps the K pass
+        vv = cuda.local.array(nv, float32)
+        zero = float32(0.0)
+        for k in range(npl):
+            pj = start + r0 + k * rpw
+            v0, v1, v2, v3, v4, v5, v6, v7 = ld8(v_cache, vpg[k], pj % page_size, kvh, d0)
+            ok = pj < n
+            vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
+            vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
+            vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
+            vv[k * vec + 6], vv[k * vec + 7] = (v6, v7) if ok else (zero, zero)
+        # this lane's position against every head of the group, over the warp's columns
+        p = start + lane
+        valid = p < n
+        slot = p % page_size
+        kk = cuda.local.array(nv, float32)  # the K row's columns of this warp (all loads first)
+        for c in range(lpr):
+            k0, k1, k2, k3, k4, k5, k6, k7 = ld8(k_cache, page, slot, kvh, c0 + vec * c)
+            kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
+            kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
+        for g in range(group):
+            sg = float32(0.0)
+            for i in range(nv):  # kk's index is constant once this inner loop is unrolled
+                sg += qs[g * head_dim + c0 + i] * kk[i]
+            part[warp, g, lane] = sg
+        cuda.syncthreads()  # part
+        # the split's softmax per head (every warp, redundantly): (max, sum) over the warp
+        mg = cuda.local.array(group, float32)
+        lg = cuda.local.array(group, float32)
+        for g in range(group):
+            s = part[0, g, lane]
+            for w in range(1, nw):
+                s += part[w, g, lane]
+            s = s if valid else float32(NEG_BIG)
+            mx = warp_max(s)
+            e = math.exp(s - mx) if valid else zero
+            mg[g] = mx
+            lg[g] = warp_sum(e)
+            if warp == 0:
+                ps[g, lane] = e
+        cuda.syncthreads()  # ps
+        acc = cuda.local.array(gv, float32)
+        for i in range(gv):
+            acc[i] = zero
+        for k in range(npl):
+            j = r0 + k * rpw
+            for g in range(group):
+                w8 = ps[g, j]
+                for e in range(vec):
+                    acc[g * vec + e] += w8 * vv[k * vec + e]
+        off = lpr  # the rows' partial sums: lanes lpr, 2 lpr, ... apart hold the same columns
+        while off < 32:
+            for i in range(gv):
+                acc[i] += shfl_xor(acc[i], off)
+            off *= 2
+        for g in range(group):
+            h = kvh * group + g
+            if r0 == 0:
+                for e in range(vec):
+                    o_part[b, h, sp, d0 + e] = acc[g * vec + e]
+            if tid == 0:
+                ml_part[b, h, sp, 0] = mg[g]
+                ml_part[b, h, sp, 1] = lg[g]
+
+    return attn_decode_lp
+
+
+@functools.cache
+def attn_decode_lp_kernel(head_dim, group):
+    return cuda.jit(make_attn_decode_lp(head_dim, group))
+
+
+def attn_decode_lp(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, mode, stream=0,
+                   num_splits: int | None = None) -> None:  # fmt: skip
+    """Decode attention over splits of LP_SPLIT positions, one warp each, then attn_combine:
+    the same inputs and outputs as `attn_decode` at split_len 32 (o_part / ml_part [B, H,
+    max_splits, hd | 2] scratch; `num_splits` must cover the longest row)."""
+    max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
+    scale = np.float32(1.0 / math.sqrt(spec.head_dim))
+    kernel = attn_decode_lp_kernel(spec.head_dim, spec.group_size)
+    kernel[(num_rows, spec.num_kv_heads, max_splits), 32 * lp_warps(spec.head_dim), stream](
+        q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale
+    )
+    attn_combine_kernel(spec.head_dim, LP_SPLIT, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](
+        o_part, ml_part, seq_lens, out, xs
+    )
 
 
 # -- decode in one launch ----------------------------------------------------------------------
@@ -727,6 +905,11 @@ def ptx_cases():
             psig = (f2, cache, cache, i2, i1, i1, i1, i1, i1, f2, types.float32, types.int32)
             if group != 4:
                 cases.append((f"attn_prefill_hd{hd}_{kv_t}", make_attn_prefill(hd), psig))
+    for kv_t in (types.float16, types.float32):
+        cache = types.Array(kv_t, 4, "C")
+        for hd, group in ((64, 3), (128, 4), (128, 2), (256, 4)):
+            sig = (f2, cache, cache, i2, i1, f4, f4, types.float32)
+            cases.append((f"attn_decode_lp_hd{hd}_g{group}_{kv_t}", make_attn_decode_lp(hd, group), sig))
     for hd in (64, 128):
         cases.append((f"attn_combine_f32_hd{hd}", make_attn_combine(hd, 256, "f32"), (f4, f4, i1, f2, f2)))
         cases.append((f"attn_combine_q8_hd{hd}", make_attn_combine(hd, 256, "q8"), (f4, f4, i1, types.int8[:, ::1], f2)))

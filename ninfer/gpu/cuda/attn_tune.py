@@ -1,4 +1,4 @@
-"""Decode attention on the GPU: split + combine (two launches), merged split, one launch, by graph replay.
+"""Decode attention on the GPU: split + combine, lanes over positions (+ combine), merged split, one launch.
 
     python -m ninfer.gpu.cuda.attn_tune [--shapes smollm2-135m,llama3-8b] [--rows 1,4,16,64]
         [--contexts 128,512,2048] [--variants 8x4,8x2,4x4,16x1] [--mode q8] [--json FILE]
@@ -7,7 +7,7 @@ For each model shape, rows bucket and context (every row that long, float16 KV i
 16, splits of 32 positions as the runner uses): one CUDA graph per path holding one launch
 per layer, each layer reading its own K/V pool (enough pools that a replay does not find the
 previous layer's K/V in L2, as in a decode step). Prints us per layer (median of replays) for
-`split`, for one row of at most 8 splits the split kernel merging in its last split (`merged
+`split`, `lp` (attention.attn_decode_lp, then the combine), for one row of at most 8 splits the split kernel merging in its last split (`merged
 chN`: N positions per warp loaded together: attention.decode_chunk and twice that), each one-launch
 variant (warps x chunk), and whether `attention.use_one_launch`
 picks one launch for that (rows, context) bucket, so its limits can be set from the table.
@@ -80,7 +80,11 @@ def time_case(spec, rows: int, context: int, variants, mode: str, stream, rng, r
 
         return launch
 
-    cases = [("split", split_launch(False))]
+    def lp_launch():
+        for k, v in pools:
+            attention.attn_decode_lp(spec, q, k, v, tables, lens, o_part, ml, out, xs, rows, mode, stream, splits)
+
+    cases = [("split", split_launch(False)), ("lp", lp_launch)]
     if rows == 1 and splits <= attention.MERGE_UNROLL:  # the runner's merged path (forward.MERGE_IN_ATTENTION)
         auto = attention.decode_chunk(spec.head_dim)
         cases += [(f"merged ch{c}", split_launch(True, c)) for c in (auto, 2 * auto)]
@@ -133,8 +137,9 @@ def main(argv=None) -> int:
             for ctx in map(int, args.contexts.split(",")):
                 case = time_case(spec, rows, ctx, variants, args.mode, stream, rng, args.reps)
                 results += [dict(r, shape=shape) for r in case]
-                best = min(case[1:], key=lambda r: r["us"])
+                best = min(case[2:], key=lambda r: r["us"])
                 print(json.dumps({"shape": shape, "rows": rows, "context": ctx, "split_us": case[0]["us"],
+                                  "lp_us": case[1]["us"],
                                   "best_one": best["path"], "best_one_us": best["us"],
                                   "speedup": round(case[0]["us"] / best["us"], 2),
                                   "one_chunks": -(-ctx // attention.one_launch_chunk(spec.head_dim)),

@@ -265,7 +265,12 @@ class Forward:
             post = self._posts[i] if post_in_attention else None  # bias / norms / RoPE / K-V write inside
             # one launch or split + combine, by the bucket (rows, splits): fixed per graph key
             context = (plan.num_splits or b.o_part.shape[2]) * self.split_len
-            if attention.use_one_launch(spec.head_dim, spec.num_kv_heads, plan.num_rows, context):
+            one = attention.use_one_launch(spec.head_dim, spec.num_kv_heads, plan.num_rows, context)
+            if post is None and attention.use_lp(spec.head_dim, self.split_len, plan.num_rows, context, one):
+                attention.attn_decode_lp(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
+                                         b.ml_part, out, b.xs, plan.num_rows, act, stream, plan.num_splits or None)  # fmt: skip
+                return
+            if one:
                 attention.attn_decode_one(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
                                           plan.num_rows, act, stream, post=post)  # fmt: skip
                 return

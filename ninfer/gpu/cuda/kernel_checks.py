@@ -418,11 +418,22 @@ def check_attn_decode(scale, rng):
             _check_attn(out, xs, want, m, f"attn_decode merged g{group} {m}")
             if counters.copy_to_host().any():
                 raise AssertionError(f"attn_decode merged: counters left at {counters.copy_to_host().tolist()}")
+        _check_decode_lp(spec, q, args, want, len(lengths), max(lengths), group)
         for warps, ch in ((2, 1), (4, 2)) if tiny else ((None, None), (16, 1), (4, 4)):
             for m in ("f32", "q8"):
                 out, xs = _attn_out(spec, len(lengths), m)
                 attention.attn_decode_one(spec, *args, out, xs, len(lengths), m, warps=warps, ch=ch)
                 _check_attn(out, xs, want, m, f"attn_decode_one g{group} hd{hd} warps {warps} ch {ch}")
+    # lanes over positions at head_dim 128 (two warps a split, columns split between them),
+    # several splits whose positions span several pages
+    spec = _spec(scale, num_heads=8, num_kv_heads=2, head_dim=128)
+    lengths = [70, 5, 33] if tiny else [1, 300, 4000, 8192]
+    tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, np.float16, 4 if tiny else 16)
+    q = rng.standard_normal((len(lengths), spec.q_dim)).astype(np.float32)
+    args = (_dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)))
+    want = np.concatenate([attention.attention_ref(q[r : r + 1], *context(r), [n - 1], 4, 128)
+                           for r, n in enumerate(lengths)])  # fmt: skip
+    _check_decode_lp(spec, q, args, want, len(lengths), max(lengths), 4)
     # rope.qkv_post folded in (post=): llama, qwen2's bias, qwen3's q/k norm, interleaved pairs
     for i, (kw, inter, group, kv_t, hd) in enumerate((
         ({}, False, 2, np.float32, 32 if tiny else 128),
@@ -433,6 +444,17 @@ def check_attn_decode(scale, rng):
         spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8, head_dim=hd,
                      **kw)  # fmt: skip
         _check_decode_post(spec, scale, rng, kv_t, inter, ("f32", "q8")[i % 2], ("q8", "f32")[i % 2])
+
+
+def _check_decode_lp(spec, q, args, want, rows, longest, group):
+    """attention.attn_decode_lp (splits of 32, one position a lane) in both output modes."""
+    splits = -(-longest // attention.LP_SPLIT)
+    for m in ("f32", "q8"):
+        o_part = _poisoned((rows, spec.num_heads, splits, spec.head_dim))
+        ml = _poisoned((rows, spec.num_heads, splits, 2))
+        out, xs = _attn_out(spec, rows, m)
+        attention.attn_decode_lp(spec, *args, o_part, ml, out, xs, rows, m)
+        _check_attn(out, xs, want, m, f"attn_decode_lp g{group} hd{spec.head_dim} {m}")
 
 
 def _check_decode_post(spec, scale, rng, kv_t, inter, split_mode, one_mode):
@@ -803,6 +825,7 @@ def check_runner(scale, rng):
             one.forward.post_in_attention = True
             _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             one.close()
+            _check_runner_lp(model, spec, kv_t, rng, rtol)
             # the 8B path: no prologue fold, the epilogue folds instead (gemv_swiglu, and
             # gemv_rope where there is no q/k norm: a llama model too, which takes gemv_norm)
             llama = random_spec("tiny", arch="llama")
@@ -820,6 +843,26 @@ def check_runner(scale, rng):
                     raise AssertionError(f"{e_spec.arch}: NORM_OUT taken: {epi.forward.norm_out_taken}")
                 _compare_one_row(epi, ReferenceRunner(e_model, num_pages=8, page_size=4), e_spec, rng, rtol)
                 epi.close()
+
+
+def _check_runner_lp(model, spec, kv_t, rng, rtol):
+    """One row whose decode attention is attn_decode_lp (splits of 32; chosen over the one-launch
+    kernel here, which the tiny shape would take), counted to be sure it ran."""
+    from ninfer.gpu.cuda.runner import CudaRunner
+    from ninfer.gpu.reference import ReferenceRunner
+
+    calls = []
+    lp, over = attention.attn_decode_lp, attention.LP_OVER_ONE
+    attention.attn_decode_lp = lambda *a, **kw: calls.append(1) or lp(*a, **kw)
+    attention.LP_OVER_ONE = True
+    try:
+        runner = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t)
+        _compare_one_row(runner, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
+        runner.close()
+    finally:
+        attention.attn_decode_lp, attention.LP_OVER_ONE = lp, over
+    if not calls:
+        raise AssertionError("the lanes-over-positions decode attention was not taken")
 
 
 def _compare_one_row(cuda_runner, ref_runner, spec, rng, rtol, steps=3):
