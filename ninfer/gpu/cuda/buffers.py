@@ -2,7 +2,7 @@
 
 A step only fills prefixes of these arrays, so kernel arguments (and therefore captured CUDA
 graphs) never change. Inputs are written by the host into pinned mirrors and copied up with
-one driver call per segment; outputs come back the same way.
+one copy per segment; outputs come back the same way (a captured step holds those copies).
 """
 
 from __future__ import annotations

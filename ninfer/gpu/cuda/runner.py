@@ -3,8 +3,9 @@
 Weights stay in stored form on the device; the KV pool is [layers, pages + 1, page_size,
 kv_heads, head_dim] of `kv_dtype` (float16 by default, float32 for an exact pool), the extra
 page absorbing the padding rows of graph buckets. A step is split into sub-steps that fit the
-buffers; each sub-step is staged (host mirrors -> device), run (a captured CUDA graph for
-all-decode batches, eager launches otherwise) and its sampled tokens copied back.
+buffers; each sub-step fills the pinned host mirrors, then runs the inputs' copies up, the
+forward pass and the sampled tokens' copy back, as a CUDA graph captured once per batch bucket
+(one graph launch and one synchronisation a step on the host), or eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ninfer.gpu.cuda.buffers import Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
-from ninfer.gpu.cuda.staging import Piece, fetch_outputs, plan_pieces, stage_inputs
+from ninfer.gpu.cuda.staging import Piece, download, fetch_outputs, plan_pieces, stage_inputs, upload
 from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
 
 
@@ -184,14 +185,20 @@ class CudaRunner:
         splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
                         decode=decode, num_tiles=staged.num_tiles, num_splits=splits)  # fmt: skip
-        if key is None or self._graphs is None:
+        def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
+            upload(self.bufs, staged, self.stream)
             self.forward.launch(plan, self.stream)
+            download(self.bufs, staged, self.stream)
+
+        if key is None or self._graphs is None:
+            launch()
         elif key in self._graphs:
             self._graphs.replay(key)
         else:
             # first use of this bucket: compile and run eagerly, then record it for next time
-            self.forward.launch(plan, self.stream)
-            self._graphs.capture(key, lambda: self.forward.launch(plan, self.stream))
+            # (the copies' sizes are the bucket's, so the graph's copy nodes fit every step of it)
+            launch()
+            self._graphs.capture(key, launch)
         return fetch_outputs(self.bufs, rows, batch, staged, self.stream)
 
     def _graph_key(self, rows, batch: list[Piece], decode: bool):

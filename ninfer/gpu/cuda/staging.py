@@ -61,7 +61,9 @@ def plan_pieces(rows: Sequence[StepRow], limits, page_size: int) -> list[list[Pi
 
 def stage_inputs(bufs: StepBuffers, rows, batch: list[Piece], page_size: int, num_pages: int, stream,
                  pad_rows: int | None = None, pad_tokens: int | None = None) -> Staged:  # fmt: skip
-    """Fill the host mirrors for one sub-batch and copy them to the device.
+    """Fill the host mirrors for one sub-batch and copy up the parts whose size varies from step
+    to step (penalty entries, grammar masks); `upload` copies the rest, a fixed size per graph
+    bucket, so a captured step can hold those copies itself.
 
     With `pad_rows` / `pad_tokens` (a graph bucket) the batch is padded to exactly that many
     rows (dummy rows of one token) and tokens (dummy tokens in no row), every row goes
@@ -104,7 +106,13 @@ def stage_inputs(bufs: StepBuffers, rows, batch: list[Piece], page_size: int, nu
         h = bufs.h_tiles
         h[:, :num_tiles] = 0  # padding tiles hold no token
         h[0, : tr.size], h[1, : tr.size], h[2, : tr.size] = tr, t0, tn
-    _upload(bufs, num_rows, len(head), pen_total, any_mask, num_tiles, stream)
+    extra = []
+    if pen_total:
+        extra += [(bufs.pen_ids, bufs.h_pen_ids, pen_total), (bufs.pen_counts, bufs.h_pen_counts, pen_total)]
+    if any_mask:
+        extra.append((bufs.masks, bufs.h_masks, len(head)))
+    for dev, host, n in extra:
+        _copy_up(dev, host, n, stream)
     return Staged(num_tokens, num_rows, len(head), num_tiles, tuple(head))
 
 
@@ -180,18 +188,26 @@ def _stage_sampling(bufs: StepBuffers, specs) -> tuple[int, bool]:
     return pen, any_mask
 
 
-def _upload(bufs: StepBuffers, num_rows: int, num_head: int, pen: int, any_mask: bool, num_tiles: int, stream):
-    pairs = [(bufs.tok_in, bufs.h_tok, None), (bufs.row_in, bufs.h_row, None), (bufs.tables, bufs.h_tables, num_rows)]
-    if num_head:
-        pairs += [(bufs.fpar, bufs.h_fpar, num_head), (bufs.ipar, bufs.h_ipar, num_head), (bufs.seeds, bufs.h_seeds, num_head)]
-    if pen:
-        pairs += [(bufs.pen_ids, bufs.h_pen_ids, pen), (bufs.pen_counts, bufs.h_pen_counts, pen)]
-    if any_mask:
-        pairs.append((bufs.masks, bufs.h_masks, num_head))
-    if num_tiles:
+def upload(bufs: StepBuffers, staged: Staged, stream) -> None:
+    """Copy up the staged inputs of fixed size per graph bucket (tokens, rows, page tables, the
+    head rows' sampling parameters, prefill tiles). The CUDA runner issues these copies, the
+    forward pass and `download` together, so a captured graph replays all three: a decode
+    step costs the host one graph launch and one synchronisation."""
+    r, h = staged.num_rows, staged.num_sampled
+    pairs = [(bufs.tok_in, bufs.h_tok, None), (bufs.row_in, bufs.h_row, None), (bufs.tables, bufs.h_tables, r)]
+    if h:
+        pairs += [(bufs.fpar, bufs.h_fpar, h), (bufs.ipar, bufs.h_ipar, h), (bufs.seeds, bufs.h_seeds, h)]
+    if staged.num_tiles:
         pairs.append((bufs.tiles_in, bufs.h_tiles, None))
     for dev, host, n in pairs:
         _copy_up(dev, host, n, stream)
+
+
+def download(bufs: StepBuffers, staged: Staged, stream) -> None:
+    """Copy back the head rows' tokens and logprobs (the top-logprob lists, when asked for,
+    come back in fetch_outputs)."""
+    if staged.num_sampled:
+        _copy_down(bufs.h_out, bufs.out, bufs.limits.max_rows + staged.num_sampled, stream)
 
 
 def _copy_up(dev, host, n, stream):
@@ -206,16 +222,17 @@ def _copy_up(dev, host, n, stream):
 
 
 def fetch_outputs(bufs: StepBuffers, rows, batch: list[Piece], staged: Staged, stream) -> list[SampledToken | None]:
-    """Copy the head rows' results back and wrap them, one entry per piece of the batch."""
+    """Wait for the step (whose `download` is queued) and wrap the head rows' results, one entry
+    per piece of the batch; top-logprob lists and logits are copied back here when asked for."""
     s = staged.num_sampled
     results: list[SampledToken | None] = [None] * len(batch)
     if s == 0:
         stream.synchronize()
         return results
     specs = [rows[batch[i].row].sample if i >= 0 else None for i in staged.head_pieces]
-    want_top = any(sp is not None and sp.num_top_logprobs for sp in specs)
-    r, k = bufs.limits.max_rows, MAX_TOP_LOGPROBS
-    _copy_down(bufs.h_out, bufs.out, (2 + 2 * k) * r if want_top else r + s, stream)
+    if any(sp is not None and sp.num_top_logprobs for sp in specs):
+        r, k = bufs.limits.max_rows, MAX_TOP_LOGPROBS
+        _copy_down(bufs.h_out, bufs.out, (2 + 2 * k) * r, stream)
     logits = {}
     for j, sp in enumerate(specs):
         if sp is not None and sp.want_logits:
