@@ -71,6 +71,7 @@ fi
 if has tests; then
   SEL=(-m gpu)
   [ -n "$KEXPR" ] && SEL+=(-k "$KEXPR")
+  LOG="$OUT/pytest-$(echo "${KEXPR:-all}" | tr -c 'a-zA-Z0-9_\n' _).log"  # one log per selection: a second run keeps the first's
   timeout ${TESTS_S:-300} python3 -m pytest tests/test_gpu_runner.py "${SEL[@]}" -q -p no:cacheprovider --timeout 240 -rfE \
-    2>&1 | tee "$OUT/pytest.log" | tail -60
+    2>&1 | tee "$LOG" | tail -60
 fi

@@ -115,9 +115,10 @@ def _ncu_prefill(runner, prompt_len) -> int:
 def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict]:
     """Each variant's code runs over the modules' default switches (upper-case globals, restored
     first), then the forward is rebuilt and every graph dropped, so the variant is captured anew."""
-    from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, sampler
+    from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, runner as runner_mod, sampler
 
-    mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler}
+    mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler,
+            "runner": runner_mod}  # fmt: skip
     defaults = {m: {k: v for k, v in vars(mod).items() if k.isupper()} for m, mod in mods.items()}
     results = []
     for rnd in range(rounds):
@@ -131,7 +132,8 @@ def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict
             for s in streams:
                 results.append({"variant": f"{label} (round {rnd + 1}) ", **profile_streams(runner, s, prompt_len, steps)})
                 r = results[-1]
-                print(f"{r['variant']}streams {s}: graph on GPU {r['graph_gpu_ms']:.4f} ms", flush=True)
+                print(f"{r['variant']}streams {s}: step wall {r['wall_ms']:.4f} ms, graph on GPU {r['graph_gpu_ms']:.4f} ms",
+                      flush=True)  # fmt: skip
     return results
 
 
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--activations", default="f32")
     p.add_argument("--json")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL:PYTHON",
-                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler) "
+                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner) "
                         "over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="with --variant: passes over the variants")
     p.add_argument("--ncu", action="store_true", help="under `ncu --profile-from-start off`: after warm-up, "

@@ -25,6 +25,12 @@ from ninfer.gpu.cuda.staging import Piece, download, fetch_outputs, plan_pieces,
 from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
 
 
+# The step's input copies and the sampled tokens' copy back go inside the captured graph (one
+# graph launch and one synchronisation a decode step on the host); False: issued around it, for
+# A/B timing (profile --variant; graphs are keyed without it: drop them when switching).
+COPIES_IN_GRAPH = True
+
+
 class CudaRunner:
     """`Runner` on one CUDA GPU (or, at tiny shapes, numba's CUDA simulator)."""
 
@@ -185,11 +191,17 @@ class CudaRunner:
         splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
                         decode=decode, num_tiles=staged.num_tiles, num_splits=splits)  # fmt: skip
-        def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
-            upload(self.bufs, staged, self.stream)
-            self.forward.launch(plan, self.stream)
-            download(self.bufs, staged, self.stream)
+        copies = COPIES_IN_GRAPH
 
+        def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
+            if copies:
+                upload(self.bufs, staged, self.stream)
+            self.forward.launch(plan, self.stream)
+            if copies:
+                download(self.bufs, staged, self.stream)
+
+        if not copies:
+            upload(self.bufs, staged, self.stream)
         if key is None or self._graphs is None:
             launch()
         elif key in self._graphs:
@@ -199,6 +211,8 @@ class CudaRunner:
             # (the copies' sizes are the bucket's, so the graph's copy nodes fit every step of it)
             launch()
             self._graphs.capture(key, launch)
+        if not copies:
+            download(self.bufs, staged, self.stream)
         return fetch_outputs(self.bufs, rows, batch, staged, self.stream)
 
     def _graph_key(self, rows, batch: list[Piece], decode: bool):
