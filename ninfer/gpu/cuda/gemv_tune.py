@@ -65,17 +65,22 @@ def parse_variants(text: str) -> list[tuple[int | None, int, int, bool]]:
     return out
 
 
-def tune_linear(name, qtype, rows, cols, stream, rng, variants=None) -> list[dict]:
+def _one_row_case(qtype, rows, cols, stream, rng):
+    """(packed weight, its device copies: enough that a graph cycling through them finds none in
+    L2, the int8 activation row and its scales, the output row) for a one-row q8 GEMV."""
+    from ninfer.gpu.cuda.act_quant import quantize_q8_ref
+
     packed = pack_tensor(random_stored(qtype, rows, cols, rng))
     copies = max(2, min(64, -(-MIN_BYTES // packed.nbytes)))
     ws = [upload_weight(packed, stream) for _ in range(copies)]
-    x = rng.standard_normal((1, cols)).astype(np.float32)
-    from ninfer.gpu.cuda.act_quant import quantize_q8_ref
+    xq, xs = quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+    d_xq, d_xs = cuda.to_device(xq.view(np.uint32), stream=stream), cuda.to_device(xs, stream=stream)
+    return packed, ws, d_xq, d_xs, cuda.device_array((1, rows), np.float32)
 
-    xq, xs = quantize_q8_ref(x)
-    d_xq = cuda.to_device(xq.view(np.uint32), stream=stream)
-    d_xs = cuda.to_device(xs, stream=stream)
-    out = cuda.device_array((1, rows), np.float32)
+
+def tune_linear(name, qtype, rows, cols, stream, rng, variants=None) -> list[dict]:
+    packed, ws, d_xq, d_xs, out = _one_row_case(qtype, rows, cols, stream, rng)
+    copies = len(ws)
     rows_out = []
     for lanes, rpg, unroll, pf in variants or [(None, *v) for v in VARIANTS]:
         if qtype not in ("Q4_0", "Q4_1", "Q8_0") and rpg > 1 and pf:
@@ -109,15 +114,9 @@ def tune_l2(name, qtype, rows, cols, stream, rng, gap_us: int) -> dict:
     it fits). us = per launch, the window alone subtracted."""
     from ninfer.gpu.cuda import l2_prefetch
 
-    packed = pack_tensor(random_stored(qtype, rows, cols, rng))
-    copies = max(2, min(64, -(-MIN_BYTES // packed.nbytes)))
-    ws = [upload_weight(packed, stream) for _ in range(copies)]
+    packed, ws, d_xq, d_xs, out = _one_row_case(qtype, rows, cols, stream, rng)
+    copies = len(ws)
     ranges = [cuda.to_device(l2_prefetch.weight_ranges([w]), stream=stream) for w in ws]
-    from ninfer.gpu.cuda.act_quant import quantize_q8_ref
-
-    xq, xs = quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
-    d_xq, d_xs = cuda.to_device(xq.view(np.uint32), stream=stream), cuda.to_device(xs, stream=stream)
-    out = cuda.device_array((1, rows), np.float32)
     ns = np.int64(gap_us * 1000)
 
     def launch(mode):

@@ -172,13 +172,13 @@ def main(argv=None) -> int:
         return _ncu_prefill(runner, args.prefill)
     if args.ncu:
         return _ncu_replays(runner, streams, args.prompt)
-    if args.variant:
+    if args.variant:  # each variant's line is printed as it finishes
         results = _variants(runner, args.variant, streams, args.prompt, args.steps, args.rounds)
     else:
         results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
-    for r in results:
-        print(f"{r.get('variant', '')}streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU "
-              f"{r['graph_gpu_ms']} ms ({r['graph_nodes']} nodes)")  # fmt: skip
+        for r in results:
+            print(f"streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU {r['graph_gpu_ms']} ms "
+                  f"({r['graph_nodes']} kernels)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
