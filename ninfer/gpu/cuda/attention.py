@@ -431,7 +431,8 @@ def make_attn_decode_lp(head_dim: int, group: int):
         c0 = warp * cols  # this warp's columns
         r0 = lane // lpr  # the P V pass: this lane's first row and its 8 columns
         d0 = c0 + (lane % lpr) * vec
-        # page ids first (clamped to the table, masked below): they do not wait for seq_lens
+        # page ids first (clamped to the table; those past seq_lens are replaced by page 0 before
+        # any K / V load: entries past a row's pages are stale or unset): they do not wait for seq_lens
         page = tables[b, min((start + lane) // page_size, last_t)]
         vpg = cuda.local.array(npl, int32)
         for k in range(npl):
@@ -451,8 +452,8 @@ def make_attn_decode_lp(head_dim: int, group: int):
         zero = float32(0.0)
         for k in range(npl):
             pj = start + r0 + k * rpw
-            v0, v1, v2, v3, v4, v5, v6, v7 = ld8(v_cache, vpg[k], pj % page_size, kvh, d0)
-            ok = pj < n
+            ok = pj < n  # past the row: the table entry is stale or unset, so read page 0 instead
+            v0, v1, v2, v3, v4, v5, v6, v7 = ld8(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
             vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
             vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
             vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
@@ -461,6 +462,7 @@ def make_attn_decode_lp(head_dim: int, group: int):
         p = start + lane
         valid = p < n
         slot = p % page_size
+        page = page if valid else 0
         kk = cuda.local.array(nv, float32)  # the K row's columns of this warp (all loads first)
         for c in range(lpr):
             k0, k1, k2, k3, k4, k5, k6, k7 = ld8(k_cache, page, slot, kvh, c0 + vec * c)

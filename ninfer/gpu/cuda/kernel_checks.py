@@ -364,11 +364,13 @@ def check_qkv_post(scale, rng):
 
 
 def _paged_case(spec, scale, rng, lengths, kv_t, page_size):
-    """Random K/V for rows of given context lengths, scattered over shuffled pages."""
+    """Random K/V for rows of given context lengths, scattered over shuffled pages. Table entries
+    past a row's pages hold a page id far past the pool (as stale entries may in the runner's
+    buffers): a kernel that loads through them without masking faults (the simulator raises)."""
     pages_per = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per) + 2
     ids = rng.permutation(num_pages).astype(np.int32)
-    tables = np.zeros((len(lengths), max(pages_per)), np.int32)
+    tables = np.full((len(lengths), max(pages_per) + 1), 1 << 24, np.int32)
     o = 0
     for r, n in enumerate(pages_per):
         tables[r, :n] = ids[o : o + n]
