@@ -62,6 +62,24 @@ def test_every_kernel_compiles_and_assembles(reports, cc):
     assert all(any(k.startswith(f) for k in report) for f in families)
 
 
+PDL_AWARE = {"rmsnorm", "gemv_split", "gemv_rope", "gemv_swiglu", "gemv_fused", "attn_decode_lp", "attn_decode_one",
+             "attn_combine", "sample_rows"}  # the one-row decode step's kernels at least
+
+
+@pytest.mark.parametrize("cc", list(TARGETS))
+def test_pdl_aware_kernels_hold_both_grid_dependency_instructions(reports, cc):
+    """The graph surgery (graphs.programmatic_edges) finds a kernel's Python name in its entry
+    symbol and makes the edges into aware kernels programmatic: each must then really wait
+    (griddepcontrol.wait) and let the next grid start (launch_dependents); the others none."""
+    ok = {k: v for k, v in reports[cc].items() if "error" not in v}
+    names = {v["python_name"] for v in ok.values()}
+    assert PDL_AWARE <= names, sorted(PDL_AWARE - names)
+    aware = {v["python_name"] for v in ok.values() if v["pdl_aware"]}
+    assert PDL_AWARE <= aware, sorted(PDL_AWARE - aware)
+    wrong = sorted(k for k, v in ok.items() if v["pdl_aware"] != v["grid_dep"])
+    assert not wrong, f"aware without the instructions, or the instructions without aware: {wrong}"
+
+
 def test_register_arrays_stay_in_registers(reports):
     """No kernel spills to local memory on sm_90: the unrolled accumulators stay in registers."""
     spills = {k: v["spill_bytes"] for k, v in reports["9.0"].items() if v.get("spill_bytes")}

@@ -12,7 +12,10 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, group_max, group_sum, warp_max, warp_sum
+from ninfer.gpu.cuda.intrinsics import (
+    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, warp_max, warp_sum,
+)
+from ninfer.gpu.cuda.pdl import aware
 
 
 @device
@@ -79,8 +82,11 @@ THREADS = 64 if SIMULATOR else 256
 def make_quantize_rows(threads: int = THREADS):
     nwarps = threads // 32
 
+    @aware
     def quantize_rows(x, xq8, xs, num_cols):
         """Row blockIdx.x of float32 x[:, :num_cols] -> int8 blocks (one warp per block)."""
+        grid_dep_launch()
+        grid_dep_wait()
         m = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % 32

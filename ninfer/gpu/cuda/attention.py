@@ -31,8 +31,10 @@ from numba import cuda, float32, int32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, device, group_max, group_sum, ld4_f32, ld8, ld8_pinned, ld_f32_cg, shfl_xor, warp_max, warp_sum,
+    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8_pinned, ld_f32_cg,
+    shfl_xor, warp_max, warp_sum,
 )
+from ninfer.gpu.cuda.pdl import aware
 from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
 
 DECODE_THREADS = 128
@@ -188,7 +190,10 @@ def make_attn_decode(head_dim: int, group: int, split_len: int, threads: int = D
     merging = merge is not None
     block_merge = _make_block_merge(group, head_dim, threads, merge) if merging else None
 
+    @aware
     def attn_decode(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale, post_args, merge_args):
+        grid_dep_launch()
+        grid_dep_wait()
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         sp = cuda.blockIdx.z
@@ -303,7 +308,10 @@ def _interleaved(post) -> bool:
 
 
 def make_attn_combine(head_dim: int, split_len: int, mode: str):
+    @aware
     def attn_combine(o_part, ml_part, seq_lens, out, xs):
+        grid_dep_launch()
+        grid_dep_wait()
         b = cuda.blockIdx.x
         h = cuda.blockIdx.y
         e = cuda.threadIdx.x
@@ -418,7 +426,9 @@ def make_attn_decode_lp(head_dim: int, group: int):
     nv = npl * vec
     threads = 32 * nw
 
+    @aware
     def attn_decode_lp(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
+        grid_dep_launch()
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         sp = cuda.blockIdx.z
@@ -437,13 +447,14 @@ def make_attn_decode_lp(head_dim: int, group: int):
         vpg = cuda.local.array(npl, int32)
         for k in range(npl):
             vpg[k] = tables[b, min((start + r0 + k * rpw) // page_size, last_t)]
+        n = seq_lens[b]  # tables and seq_lens are step inputs: no kernel writes them
+        grid_dep_wait()  # q (and the pools' newest position) come from the kernels before
         qs = cuda.shared.array(gd, float32)
         part = cuda.shared.array((nw, group, LP_SPLIT), float32)
         ps = cuda.shared.array((group, LP_SPLIT), float32)
         for i in range(4 * tid, gd, 4 * threads):  # the group's q, scaled, in 16-byte loads
-            a0, a1, a2, a3 = ld4_f32(q, b, kvh * gd + i)
+            a0, a1, a2, a3 = ld4_f32_pinned(q, b, kvh * gd + i)
             qs[i], qs[i + 1], qs[i + 2], qs[i + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
-        n = seq_lens[b]
         if start >= n:  # the whole block
             return
         cuda.syncthreads()  # qs
@@ -453,7 +464,7 @@ def make_attn_decode_lp(head_dim: int, group: int):
         for k in range(npl):
             pj = start + r0 + k * rpw
             ok = pj < n  # past the row: the table entry is stale or unset, so read page 0 instead
-            v0, v1, v2, v3, v4, v5, v6, v7 = ld8(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = ld8_pinned(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
             vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
             vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
             vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
@@ -465,7 +476,7 @@ def make_attn_decode_lp(head_dim: int, group: int):
         page = page if valid else 0
         kk = cuda.local.array(nv, float32)  # the K row's columns of this warp (all loads first)
         for c in range(lpr):
-            k0, k1, k2, k3, k4, k5, k6, k7 = ld8(k_cache, page, slot, kvh, c0 + vec * c)
+            k0, k1, k2, k3, k4, k5, k6, k7 = ld8_pinned(k_cache, page, slot, kvh, c0 + vec * c)
             kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
             kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
         for g in range(group):
@@ -598,11 +609,14 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
     out_iters = -(-nblk // nw)
     gd = group * head_dim  # the rotated q of the group (post)
     post_heads = decode_post_fn(head_dim, group, nw, interleaved) if post else None
-    # the pool's new position is written by this very block: a coherent load after the barrier
-    # (the read-only `.nc` path is only for data no thread of the kernel writes)
-    load8 = ld8_pinned if post else ld8
+    # the pool's new position is written by this very block (post) or by the kernel before, which
+    # may still run when this one starts (pdl.py): coherent loads (`.nc` is only for data that
+    # stays read-only during the kernel's whole lifetime)
+    load8 = ld8_pinned
 
+    @aware
     def attn_decode_one(q, k_cache, v_cache, tables, seq_lens, out, xs, scale, post_args):
+        grid_dep_launch()
         b = cuda.blockIdx.x
         kvh = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
@@ -623,6 +637,7 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
         # the first chunk's page ids do not wait for seq_lens (clamped to the table, masked later)
         for j in range(ch):
             pg[j] = tables[b, min((j * nw * per_warp + base) // page_size, last_t)]
+        grid_dep_wait()  # the page ids are step inputs; q and the pools' newest position are not
         if post:  # q is the raw QKV; the page ids (not written here) are in flight meanwhile
             n = seq_lens[b]  # read before the barrier too, so the first chunk does not wait for it
             qs = cuda.shared.array(gd, float32)

@@ -7,7 +7,8 @@ import functools
 import numpy as np
 from numba import cuda, float32, types
 
-from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, grid_dep_launch, grid_dep_wait
+from ninfer.gpu.cuda.pdl import aware
 
 from ninfer.gpu.cuda.dequant import DQ_WORD
 
@@ -17,9 +18,12 @@ THREADS = 32 if SIMULATOR else 128
 def make_embed(qtype: str):
     dq = DQ_WORD[qtype]
 
+    @aware
     def embed(qs, d16, aux, sc8, tokens, out, clear):
         """out[t, :] = embed[tokens[t], :]; one block per token, one thread per 4 elements.
         Block 0 also zeroes `clear` (the step's gemv_norm sums, or a dummy)."""
+        grid_dep_launch()
+        grid_dep_wait()
         t = cuda.blockIdx.x
         if t == 0:
             for i in range(cuda.threadIdx.x, clear.shape[0], cuda.blockDim.x):

@@ -22,8 +22,10 @@ from numba import cuda, float32, int32, types, uint32
 from ninfer.gpu.cuda.act_quant import dequantize_q8_ref, quantize_quad, store_q8
 from ninfer.gpu.cuda.dequant import DQ_WORD
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, block_sum, device, group_sum, ld2_f32, ld4_f32, ld4_u32, prefetch_l2, warp_sum,
+    SIMULATOR, block_sum, device, grid_dep_launch, grid_dep_wait, group_sum, ld2_f32_pinned, ld4_f32, ld4_f32_pinned,
+    ld4_u32_pinned, prefetch_l2, warp_sum,
 )
+from ninfer.gpu.cuda.pdl import aware
 from ninfer.gpu.cuda.rope import pair_elems, store_pair
 from ninfer.gpu.cuda.swiglu import silu_mul
 from ninfer.gpu.cuda.qdot import QDOT, WDOT, WLOAD, WCOMP, WORDS, act_block
@@ -40,7 +42,7 @@ def _make_fdot(dq):
         s = float32(0.0)
         for j in range(8):
             w0, w1, w2, w3 = dq(qs, d16, aux, sc8, row, blk, j)
-            x0, x1, x2, x3 = ld4_f32(x, m, 32 * blk + 4 * j)
+            x0, x1, x2, x3 = ld4_f32_pinned(x, m, 32 * blk + 4 * j)
             s += w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
         return s
 
@@ -71,7 +73,10 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int
     rows_per_warp = (32 // lanes) * R
     unroll = unroll or (4 if max_m == 1 else 2)
 
+    @aware
     def gemv(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
+        grid_dep_launch()
+        grid_dep_wait()
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
         row = warp * rows_per_warp + lane // lanes
@@ -100,8 +105,11 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int
                     v += res[m0 + i, row]
                 out[m0 + i, row] = v
 
+    @aware
     def gemv_rows(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
         """One activation row, R weight rows per lane group sharing each activation block."""
+        grid_dep_launch()
+        grid_dep_wait()
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
         row0 = warp * rows_per_warp + (lane // lanes) * R
@@ -147,11 +155,15 @@ def _make_split_loop(qtype: str, lanes: int, R: int, U: int):
         for blk0 in range(sub, num_blocks, lanes * U):
             for u in range(U):
                 bb = min(blk0 + u * lanes, last)
-                A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32(xa, 0, 8 * bb)
-                A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32(xa, 0, 8 * bb + 4)
-                X[2 * u], X[2 * u + 1] = ld2_f32(xs, 0, 2 * bb)
                 for r in range(R):
                     wload(qs, d16, min(row0 + r * rstride, last_row), bb, W, S, u * R + r)
+            if blk0 == sub:  # PDL: the first weights load while the kernel before finishes
+                grid_dep_wait()
+            for u in range(U):
+                bb = min(blk0 + u * lanes, last)
+                A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32_pinned(xa, 0, 8 * bb)
+                A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32_pinned(xa, 0, 8 * bb + 4)
+                X[2 * u], X[2 * u + 1] = ld2_f32_pinned(xs, 0, 2 * bb)
             for u in range(U):
                 f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
                 for r in range(R):
@@ -173,7 +185,9 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
     nw, ns, na, nx = _split_arrays(qtype, R, unroll)
     loop = _make_split_loop(qtype, lanes, R, unroll)
 
+    @aware
     def gemv_split(qs, d16, aux, sc8, xa, xs, out, res, num_rows, num_blocks, num_m, has_res):
+        grid_dep_launch()
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
         row0 = warp * rows_per_warp + (lane // lanes) * R
@@ -193,6 +207,7 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
                     for r in range(R):
                         prefetch_l2(qs, min(row0 + r, last_row), wpb * b)
             loop(qs, d16, xa, xs, row0, 1, last_row, sub, num_blocks, acc, W, S, A, X)
+        grid_dep_wait()  # (again, for threads without rows) before res is read and out written
         for r in range(R):
             row = row0 + r
             v = group_sum(acc[r], lanes)  # every thread takes part in the shuffles
@@ -254,6 +269,7 @@ def _make_pair_sums(qtype: str, lanes: int, U: int, R: int = 2):
         acc[1] = float32(0.0)
         if valid:
             loop(qs, d16, xa, xs, row_a, stride, last_row, sub, num_blocks, acc, W, S, A, X)
+        grid_dep_wait()  # (again, for threads without rows) before the caller's reads and writes
         if R == 1:
             return group_sum(acc[0], lanes), float32(0.0)
         return group_sum(acc[0], lanes), group_sum(acc[1], lanes)
@@ -267,7 +283,9 @@ def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
     groups = SWIGLU_GROUPS
     qwarps = groups // 32
 
+    @aware
     def gemv_swiglu(qs, d16, aux, sc8, xa, xs, num_f, num_blocks, q_out, s_out, nsum, nslot, eps):
+        grid_dep_launch()
         tid = cuda.threadIdx.x
         gi = tid // lanes
         sub = tid % lanes
@@ -296,8 +314,10 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
     pairs_per_block = threads // lanes
     stride = 1 if interleaved else half  # row eb - row ea
 
+    @aware
     def gemv_rope(qs, d16, aux, sc8, xa, xs, num_blocks, bias, has_bias, cos, sin, tok_pos, tok_page, tok_slot,
                   q_out, k_cache, v_cache, num_heads, num_kv_heads, nsum, nslot, eps):  # fmt: skip
+        grid_dep_launch()
         tid = cuda.threadIdx.x
         p = cuda.blockIdx.y * pairs_per_block + tid // lanes  # the rotated pair
         sub = tid % lanes
@@ -407,7 +427,9 @@ def _make_gemv_norm(qtype: str, lanes: int, U: int):
     sums_of = _make_pair_sums(qtype, lanes, U, R=1)
     groups = NORM_GROUPS
 
+    @aware
     def gemv_norm(qs, d16, aux, sc8, xa, xs, num_rows, num_blocks, out, res, norm_w, q_out, s_out, sums, slot):
+        grid_dep_launch()
         tid = cuda.threadIdx.x
         gi = tid // lanes
         sub = tid % lanes
@@ -437,7 +459,10 @@ def _make_gemv_norm(qtype: str, lanes: int, U: int):
 
 @functools.cache
 def gemv_norm_kernel(qtype: str, lanes: int, unroll: int):
-    return cuda.jit(_make_gemv_norm(qtype, lanes, unroll))
+    fn = _make_gemv_norm(qtype, lanes, unroll)
+    # launch bounds: 1,024 threads must fit 64 registers each (the PDL wait after the first
+    # weight loads raised the count past that: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+    return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=NORM_GROUPS * lanes)(fn)
 
 
 def gemv_norm(w, xa, xs, out, res, norm_w, q_out, s_out, sums, slot: int, stream=0, lanes: int | None = None) -> None:
@@ -514,19 +539,19 @@ def _make_prologue(prologue: str, cols: int, threads: int):
             for c in range(chunks):
                 qd = tid + threads * c
                 if qd < quads:
-                    v0, v1, v2, v3 = ld4_f32(src, 0, 4 * qd)
+                    v0, v1, v2, v3 = ld4_f32_pinned(src, 0, 4 * qd)
                     ss += v0 * v0 + v1 * v1 + v2 * v2 + v3 * v3
             r = float32(1.0) / math.sqrt(block_sum(ss, scratch) / float32(cols) + eps)
         for c in range(chunks):
             qd = tid + threads * c
             col = 4 * min(qd, quads - 1)  # past the row: a repeated quad, never stored
             if norm:
-                x0, x1, x2, x3 = ld4_f32(src, 0, col)
+                x0, x1, x2, x3 = ld4_f32_pinned(src, 0, col)
                 w0, w1, w2, w3 = ld4_f32(nwt, 0, col)
                 v0, v1, v2, v3 = x0 * r * w0, x1 * r * w1, x2 * r * w2, x3 * r * w3
             else:
-                g0, g1, g2, g3 = ld4_f32(src, 0, col)
-                u0, u1, u2, u3 = ld4_f32(src, 0, cols + col)
+                g0, g1, g2, g3 = ld4_f32_pinned(src, 0, col)
+                u0, u1, u2, u3 = ld4_f32_pinned(src, 0, cols + col)
                 v0, v1, v2, v3 = silu_mul(g0, u0), silu_mul(g1, u1), silu_mul(g2, u2), silu_mul(g3, u3)
             _store_quad(v0, v1, v2, v3, qd, qd < quads, A_sh, X_sh)
         cuda.syncthreads()
@@ -548,7 +573,9 @@ def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str,
     n_scales = 2 * nb
     build = _make_prologue(prologue, cols, threads)
 
+    @aware
     def gemv_fused(qs, d16, aux, sc8, src, nwt, out, res, num_rows, eps, has_res):
+        grid_dep_launch()
         lane = cuda.threadIdx.x % 32
         warp = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) // 32
         row0 = warp * rows_per_warp + (lane // lanes) * R
@@ -570,6 +597,7 @@ def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str,
             bb = min(sub + u * lanes, last)
             for r in range(R):
                 wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
+        grid_dep_wait()  # src is the kernel before's output (PDL: the weights above are already loading)
         build(src, nwt, eps, A_sh, X_sh, scratch)
         for blk0 in range(sub, nb, lanes * U):
             if blk0 != sub:

@@ -12,6 +12,9 @@ from collections.abc import Callable
 
 from cuda.bindings import driver
 
+from ninfer.gpu.cuda import pdl
+from ninfer.gpu.cuda.intrinsics import pdl_supported
+
 
 class CudaDriverError(RuntimeError):
     """A CUDA driver call failed."""
@@ -36,6 +39,7 @@ class GraphCache:
     def __init__(self, stream):
         self._stream = stream
         self._graphs: dict[object, tuple] = {}
+        self.programmatic: dict[object, int] = {}  # programmatic edges per graph (pdl.py)
 
     def __contains__(self, key) -> bool:
         return key in self._graphs
@@ -51,6 +55,7 @@ class GraphCache:
             launch()
         finally:
             graph = check(driver.cuStreamEndCapture(h))
+        self.programmatic[key] = programmatic_edges(graph) if pdl.ENABLED and pdl_supported() else 0
         exe = check(driver.cuGraphInstantiate(graph, 0))
         self._graphs[key] = (graph, exe)
 
@@ -65,6 +70,48 @@ class GraphCache:
             driver.cuGraphExecDestroy(exe)
             driver.cuGraphDestroy(graph)
         self._graphs.clear()
+        self.programmatic.clear()
+
+
+def _edges_api():
+    """cuGraphGetEdges / Add / RemoveDependencies with edge data (the `_v2` names of CUDA 12)."""
+    names = ("cuGraphGetEdges", "cuGraphAddDependencies", "cuGraphRemoveDependencies")
+    return [getattr(driver, n + "_v2", None) or getattr(driver, n) for n in names]
+
+
+def _kernel_name(node, cache: dict) -> str | None:
+    """The mangled name of a kernel node's function (None for other nodes)."""
+    if check(driver.cuGraphNodeGetType(node)) != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        return None
+    func = check(driver.cuGraphKernelNodeGetParams(node)).func
+    key = int(func)
+    if key not in cache:
+        name = check(driver.cuFuncGetName(func))
+        cache[key] = name.decode() if isinstance(name, bytes) else str(name)
+    return cache[key]
+
+
+def programmatic_edges(graph) -> int:
+    """Turn each kernel -> kernel edge of `graph` whose dependent kernel is PDL-aware (pdl.py)
+    into a programmatic edge; returns how many were turned."""
+    get_edges, add, remove = _edges_api()
+    n = check(get_edges(graph, 0))[-1]
+    frm, to, data, n = check(get_edges(graph, n))
+    names: dict = {}
+    turned = 0
+    for a, b, d in zip(frm[:n], to[:n], data[:n], strict=True):
+        if d.type != driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_DEFAULT:
+            continue
+        na, nb = _kernel_name(a, names), _kernel_name(b, names)
+        if na is None or nb is None or not pdl.is_aware(nb):
+            continue
+        e = driver.CUgraphEdgeData()
+        e.type = driver.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+        e.from_port = driver.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+        check(remove(graph, [a], [b], [d], 1))
+        check(add(graph, [a], [b], [e], 1))
+        turned += 1
+    return turned
 
 
 def memcpy_htod(dst_dev, src_host, nbytes: int, stream) -> None:

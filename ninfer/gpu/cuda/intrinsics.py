@@ -13,11 +13,22 @@ same result. Rules for callers:
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import config, cuda, float32, int32, int64, types, uint32, uint64
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 FULL_MASK = 0xFFFFFFFF
+
+
+@functools.cache
+def pdl_supported() -> bool:
+    """Whether kernels get the `griddepcontrol` instructions: compute capability 9.0 or newer,
+    or no GPU at all (PTX built on a CPU machine for sm_90 / sm_120a)."""
+    if SIMULATOR or not cuda.is_available():
+        return True
+    return cuda.get_current_device().compute_capability >= (9, 0)
 
 
 def device(fn):
@@ -87,6 +98,11 @@ if not SIMULATOR:
     # a coherent load that ptxas keeps on its side of a barrier (the `.nc` one may move across
     # bar.sync; the GEMM needs its activation loads issued before the barrier and the mma)
     ld4_f32_pinned = _make_ld4(types.float32, _F32, "f", "f32", space="global", pinned=True)
+    # Programmatic dependent launch (pdl.py): a kernel may start before the one whose output it
+    # reads has finished, so that output is not read-only during its lifetime and `.nc` loads of
+    # it (which ptxas may also move above griddepcontrol.wait) can return stale data. Aware
+    # kernels read predecessors' outputs with these coherent, pinned loads; weights stay `.nc`.
+    ld4_u32_pinned = _make_ld4(types.uint32, _I32, "r", "u32", space="global", pinned=True)
 
     def _elem_addr(context, builder, signature, args):
         aryty = signature.args[0]
@@ -95,11 +111,11 @@ if not SIMULATOR:
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
         return builder.ptrtoint(ptr, ir.IntType(64))
 
-    def _pair_codegen(text):
+    def _pair_codegen(text, pinned=False):
         def codegen(context, builder, signature, args):
             addr = _elem_addr(context, builder, signature, args)
             st = ir.LiteralStructType([_F32, _F32])
-            res = _asm_call(builder, st, [ir.IntType(64)], text, "=f,=f,l", [addr])
+            res = _asm_call(builder, st, [ir.IntType(64)], text, "=f,=f,l", [addr], side_effect=pinned)
             ret = types.UniTuple(types.float32, 2)
             return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(2)])
 
@@ -134,6 +150,31 @@ if not SIMULATOR:
 
         return sig, codegen
 
+    def _grid_dep(text):
+        """A `griddepcontrol` instruction (sm_90+; nothing where the GPU present is older)."""
+
+        def codegen(context, builder, signature, args):
+            if pdl_supported():
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def grid_dep_wait(typingctx):
+        """Programmatic dependent launch: block until the grids this one depends on through a
+        programmatic graph edge have completed and their memory is visible (at once where there
+        is no such edge). Every read of a predecessor's output and every write a predecessor
+        may still read must come after it."""
+        return _grid_dep("griddepcontrol.wait;")
+
+    @intrinsic
+    def grid_dep_launch(typingctx):
+        """Programmatic dependent launch: this block lets the next grid of a programmatic edge
+        start (it starts once every block of this grid has called this or exited)."""
+        return _grid_dep("griddepcontrol.launch_dependents;")
+
     @intrinsic
     def ld_f32_cg(typingctx, arr, i0, i1, i2, i3):
         """arr[i0, i1, i2, i3] (float32) from L2, never L1: data other blocks of this kernel wrote."""
@@ -150,6 +191,12 @@ if not SIMULATOR:
         """arr[row, col], arr[row, col + 1] (float32, col even) in one 8-byte load."""
         sig = types.UniTuple(types.float32, 2)(arr, row, col)
         return sig, _pair_codegen("ld.global.nc.v2.f32 {$0,$1}, [$2];")
+
+    @intrinsic
+    def ld2_f32_pinned(typingctx, arr, row, col):
+        """ld2_f32 as a coherent, pinned load (a predecessor's output under PDL: see ld4_u32_pinned)."""
+        sig = types.UniTuple(types.float32, 2)(arr, row, col)
+        return sig, _pair_codegen("ld.global.v2.f32 {$0,$1}, [$2];", pinned=True)
 
     @intrinsic
     def ld_h2(typingctx, arr, row, col):
@@ -308,6 +355,7 @@ else:
         return (float32(arr[row, col]), float32(arr[row, col + 1]), float32(arr[row, col + 2]), float32(arr[row, col + 3]))
 
     ld4_f32_pinned = ld4_f32
+    ld4_u32_pinned = ld4_u32
 
     def ld_f32_cg(arr, i0, i1, i2, i3):
         return float32(arr[i0, i1, i2, i3])
@@ -316,8 +364,15 @@ else:
         return (float32(arr[row, col]), float32(arr[row, col + 1]))
 
     ld_h2 = ld2_f32
+    ld2_f32_pinned = ld2_f32
 
     def prefetch_l2(arr, row, col):
+        pass
+
+    def grid_dep_wait():
+        pass  # the simulator runs one grid at a time
+
+    def grid_dep_launch():
         pass
 
     BULK_PREFETCHES: list = []  # the simulator's record of bulk_prefetch_l2 calls (addr, nbytes)

@@ -17,7 +17,8 @@ import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.act_quant import quantize_q8_ref, quantize_quad
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum, ld4_f32
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum, grid_dep_launch, grid_dep_wait, ld4_f32_pinned
+from ninfer.gpu.cuda.pdl import aware
 
 MAX_THREADS = 64 if SIMULATOR else 1024
 
@@ -37,7 +38,10 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
     are 3-step shuffles and the whole row quantizes in one pass, without a serial loop."""
     n = 4 * chunks
 
+    @aware
     def rmsnorm(x, res, w, eps, rows, out, xs, has_res, has_rows):
+        grid_dep_launch()
+        grid_dep_wait()
         i = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         scratch = cuda.shared.array(33, float32)
@@ -48,9 +52,9 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
         for c in range(chunks):
             col = 4 * (tid + threads * c)
             if col < d:
-                v0, v1, v2, v3 = ld4_f32(x, src, col)  # 16-byte loads (read before this thread writes)
+                v0, v1, v2, v3 = ld4_f32_pinned(x, src, col)  # 16-byte coherent loads (pdl.py), before this thread writes
                 if has_res:
-                    r0, r1, r2, r3 = ld4_f32(res, src, col)
+                    r0, r1, r2, r3 = ld4_f32_pinned(res, src, col)
                     v0, v1, v2, v3 = v0 + r0, v1 + r1, v2 + r2, v3 + r3
                     x[src, col] = v0
                     x[src, col + 1] = v1

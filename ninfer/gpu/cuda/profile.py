@@ -48,7 +48,8 @@ def profile_streams(runner, streams: int, prompt_len: int, steps: int) -> dict:
     key = _decode_key(runner, rows)
     gpu_graph = _graph_time(runner, key) if key is not None else None
     return {"streams": streams, "context": pos, "wall_ms": 1e3 * statistics.median(walls), "graph_gpu_ms": gpu_graph,
-            "graph_nodes": _nodes(runner, key) if gpu_graph is not None else None}  # fmt: skip
+            "graph_nodes": _nodes(runner, key) if gpu_graph is not None else None,
+            "programmatic_edges": runner._graphs.programmatic.get(key) if gpu_graph is not None else None}  # fmt: skip
 
 
 def _nodes(runner, key):
@@ -115,10 +116,10 @@ def _ncu_prefill(runner, prompt_len) -> int:
 def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict]:
     """Each variant's code runs over the modules' default switches (upper-case globals, restored
     first), then the forward is rebuilt and every graph dropped, so the variant is captured anew."""
-    from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, runner as runner_mod, sampler
+    from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, pdl, runner as runner_mod, sampler
 
     mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler,
-            "runner": runner_mod}  # fmt: skip
+            "runner": runner_mod, "pdl": pdl}  # fmt: skip
     defaults = {m: {k: v for k, v in vars(mod).items() if k.isupper()} for m, mod in mods.items()}
     results = []
     for rnd in range(rounds):
@@ -132,8 +133,8 @@ def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict
             for s in streams:
                 results.append({"variant": f"{label} (round {rnd + 1}) ", **profile_streams(runner, s, prompt_len, steps)})
                 r = results[-1]
-                print(f"{r['variant']}streams {s}: step wall {r['wall_ms']:.4f} ms, graph on GPU {r['graph_gpu_ms']:.4f} ms",
-                      flush=True)  # fmt: skip
+                print(f"{r['variant']}streams {s}: step wall {r['wall_ms']:.4f} ms, graph on GPU {r['graph_gpu_ms']:.4f} ms "
+                      f"({r['graph_nodes']} nodes, {r['programmatic_edges']} programmatic edges)", flush=True)  # fmt: skip
     return results
 
 
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--activations", default="f32")
     p.add_argument("--json")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL:PYTHON",
-                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner) "
+                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner, pdl) "
                         "over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="with --variant: passes over the variants")
     p.add_argument("--ncu", action="store_true", help="under `ncu --profile-from-start off`: after warm-up, "
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
         results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
         for r in results:
             print(f"streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU {r['graph_gpu_ms']} ms "
-                  f"({r['graph_nodes']} kernels)")  # fmt: skip
+                  f"({r['graph_nodes']} nodes, {r['programmatic_edges']} programmatic edges)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

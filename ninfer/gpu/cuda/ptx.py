@@ -4,7 +4,7 @@
     python -m ninfer.gpu.cuda.ptx 12.0a      # sm_120a (the original engine's target)
 
 Prints one JSON object: kernel name -> {"target": ".target sm_90", "sass_bytes": n,
-"registers": r, "spill_bytes": s} or {"error": "..."}. Assembling the PTX to machine code
+"registers": r, "spill_bytes": s, "python_name", "pdl_aware", "grid_dep"} or {"error": "..."}. Assembling the PTX to machine code
 checks what `compile_ptx` cannot: the inline-asm instructions (dp4a, mma.sync, vector loads)
 must exist for the target, and the resource report shows registers and spills.
 
@@ -104,6 +104,20 @@ def _log(nvjitlink, handle, kind: str) -> str:
     return buf.decode(errors="replace").rstrip("\x00")
 
 
+def _pdl_report(ptx: str) -> dict:
+    """The kernel's Python name as graphs.programmatic_edges reads it from the entry symbol,
+    whether pdl.py counts it aware, and whether its PTX holds both griddepcontrol instructions."""
+    from ninfer.gpu.cuda import pdl
+
+    entry = re.search(r"\.entry\s+(\S+?)\(", ptx)
+    mangled = entry.group(1) if entry else ""
+    return {
+        "python_name": pdl.python_name(mangled),
+        "pdl_aware": pdl.is_aware(mangled),
+        "grid_dep": "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx,
+    }
+
+
 def compile_all(cc: tuple, only: str | None = None) -> dict:
     from numba import cuda
 
@@ -118,7 +132,7 @@ def compile_all(cc: tuple, only: str | None = None) -> dict:
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
             continue
         target = next((line.strip() for line in ptx.splitlines() if line.startswith(".target")), "")
-        results[name] = {"target": target, **assemble(ptx, cc)}
+        results[name] = {"target": target, **assemble(ptx, cc), **_pdl_report(ptx)}
     return results
 
 

@@ -18,16 +18,16 @@ from __future__ import annotations
 from numba import float32, int32, uint32
 
 from ninfer.gpu.cuda.dequant import LOW_NIBBLES, k4_scale_min, spread_bits4
-from ninfer.gpu.cuda.intrinsics import device, dp4a, ld2_f32, ld4_u32, ld_h2
+from ninfer.gpu.cuda.intrinsics import device, dp4a, ld2_f32_pinned, ld4_u32, ld4_u32_pinned, ld_h2
 
 _L = uint32(LOW_NIBBLES)
 
 
 @device
 def act8(xq, m, blk):
-    """The activation block's eight int8x4 words."""
-    a0, a1, a2, a3 = ld4_u32(xq, m, 8 * blk)
-    a4, a5, a6, a7 = ld4_u32(xq, m, 8 * blk + 4)
+    """The activation block's eight int8x4 words (coherent loads: a predecessor's output, pdl.py)."""
+    a0, a1, a2, a3 = ld4_u32_pinned(xq, m, 8 * blk)
+    a4, a5, a6, a7 = ld4_u32_pinned(xq, m, 8 * blk + 4)
     return a0, a1, a2, a3, a4, a5, a6, a7
 
 
@@ -47,7 +47,7 @@ def dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7):
 def act_block(xq, xs, m, blk):
     """Activation block `blk` of row m: eight int8x4 words, its scale dx and dx * sum(xq)."""
     a0, a1, a2, a3, a4, a5, a6, a7 = act8(xq, m, blk)
-    dx, sx = ld2_f32(xs, m, 2 * blk)
+    dx, sx = ld2_f32_pinned(xs, m, 2 * blk)
     return a0, a1, a2, a3, a4, a5, a6, a7, dx, sx
 
 

@@ -20,7 +20,8 @@ import attrs
 import numpy as np
 from numba import cuda, float32, types
 
-from ninfer.gpu.cuda.intrinsics import block_sum, device, warp_sum
+from ninfer.gpu.cuda.intrinsics import block_sum, device, grid_dep_launch, grid_dep_wait, warp_sum
+from ninfer.gpu.cuda.pdl import aware
 
 # -- the per-pair math, shared with the decode-attention kernels that fold this step in ----------
 
@@ -76,8 +77,11 @@ def store_pair(cache, page, slot, kvh, ea, eb, a, b):
 def make_qkv_post(head_dim: int, interleaved: bool = False):
     half = head_dim // 2
 
+    @aware
     def qkv_post(qkv, bias, q_norm, k_norm, cos, sin, tok_pos, tok_page, tok_slot, q_out, k_cache, v_cache,
                  eps, num_heads, num_kv_heads, has_bias, has_qk_norm):  # fmt: skip
+        grid_dep_launch()
+        grid_dep_wait()
         t = cuda.blockIdx.x
         j = cuda.blockIdx.y
         i = cuda.threadIdx.x

@@ -27,15 +27,18 @@ from numba import cuda, float32, float64, int32, types, uint32, uint64
 
 from ninfer.gpu.cuda.intrinsics import (
     device,
+    grid_dep_launch,
+    grid_dep_wait,
     block_max,
     block_max_u64,
     block_sum,
     block_sum_u64,
     f32_to_bits,
-    ld4_f32,
+    ld4_f32_pinned,
     order_key,
     uniform,
 )
+from ninfer.gpu.cuda.pdl import aware
 
 THREADS = 512  # the kernel needs ~71 registers: 1024 threads would exceed the 64k-register file
 FIXED_ONE = float64(2.0**40)
@@ -162,7 +165,7 @@ def logit_stats(logits, r, threads, plain):
         for q0 in range(tid, nq, threads * STATS_UNROLL):
             for u in range(STATS_UNROLL):
                 q = min(q0 + u * threads, nq - 1)  # past the end: the last quad again (same max, not summed)
-                vals[4 * u], vals[4 * u + 1], vals[4 * u + 2], vals[4 * u + 3] = ld4_f32(logits, r, 4 * q)
+                vals[4 * u], vals[4 * u + 1], vals[4 * u + 2], vals[4 * u + 3] = ld4_f32_pinned(logits, r, 4 * q)
             for u in range(STATS_UNROLL):
                 if q0 + u * threads < nq:
                     m, s, best = _add_quad(m, s, best, vals[4 * u], vals[4 * u + 1], vals[4 * u + 2], vals[4 * u + 3],
@@ -182,7 +185,10 @@ def key_id(key):
 
 
 def make_sampler(threads: int = THREADS):
+    @aware
     def sample_rows(logits, scores, fpar, ipar, seeds, pen_ids, pen_counts, masks, out_tok, out_lp, top_ids, top_lp):
+        grid_dep_launch()
+        grid_dep_wait()
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         vocab = logits.shape[1]

@@ -12,7 +12,8 @@ import math
 import numpy as np
 from numba import cuda, float32, types
 
-from ninfer.gpu.cuda.intrinsics import SIMULATOR, device
+from ninfer.gpu.cuda.intrinsics import SIMULATOR, device, grid_dep_launch, grid_dep_wait
+from ninfer.gpu.cuda.pdl import aware
 
 from ninfer.gpu.cuda.act_quant import quantize_q8_ref, store_q8
 
@@ -27,7 +28,10 @@ def silu_mul(g, u):
 def make_swiglu(mode: str, threads: int = THREADS):
     nwarps = threads // 32
 
+    @aware
     def swiglu(gate_up, out, xs):
+        grid_dep_launch()
+        grid_dep_wait()
         t = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         f = gate_up.shape[1] // 2
