@@ -31,7 +31,7 @@ from numba import cuda, float32, int32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8_pinned, ld_f32_cg,
+    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8, ld8_cg, ld8_pinned, ld_f32_cg,
     shfl_xor, warp_max, warp_sum,
 )
 from ninfer.gpu.cuda.pdl import aware
@@ -389,6 +389,7 @@ LP_COLS = 64  # head_dim columns a warp covers: its V share is 32 x 64 / 32 = 64
 # 36.0 one launch, 37.2 split). More than 16 rows are unmeasured and keep split + combine.
 LP_MAX_ROWS = 16
 LP_OVER_ONE = False  # A/B and checks: take it wherever it is supported, one launch included
+LP_PRELOAD = False  # K / V loads before the PDL wait (make_attn_decode_lp `preload`)
 
 
 def use_lp(head_dim: int, split_len: int, num_rows: int, context: int, one_launch: bool) -> bool:
@@ -412,7 +413,9 @@ def lp_warps(head_dim: int) -> int:
     return max(1, head_dim // LP_COLS)
 
 
-def make_attn_decode_lp(head_dim: int, group: int):
+def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
+    """`preload`: K / V of every position but the newest load before the grid dependency wait
+    (PDL), on the read-only path (no kernel in flight writes them); the newest after it."""
     if not lp_supported(head_dim, LP_SPLIT):
         raise ValueError(f"the lanes-over-positions decode attention needs head_dim 32, 64 or a multiple of 64, got {head_dim}")
     vec = ONE_VEC
@@ -425,6 +428,30 @@ def make_attn_decode_lp(head_dim: int, group: int):
     gv = group * vec
     nv = npl * vec
     threads = 32 * nw
+    # preloaded K / V are read-only while this kernel lives; otherwise the newest position may
+    # still be in flight from the kernel before when it starts (pdl.py): coherent loads
+    load = ld8 if preload else ld8_pinned
+
+    @device
+    def lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk):
+        """The lane's V rows (P V pass) and its position's K columns, positions below `lim`
+        (others read as zeros from page 0: table entries past a row are stale or unset)."""
+        zero = float32(0.0)
+        page_size = k_cache.shape[1]
+        for k in range(npl):  # V first: its latency overlaps the K pass
+            pj = start + r0 + k * rpw
+            ok = pj < lim
+            v0, v1, v2, v3, v4, v5, v6, v7 = load(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
+            vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
+            vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
+            vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
+            vv[k * vec + 6], vv[k * vec + 7] = (v6, v7) if ok else (zero, zero)
+        pg = page if p < lim else 0
+        for c in range(lpr):
+            k0, k1, k2, k3, k4, k5, k6, k7 = load(k_cache, pg, slot, kvh, c0 + vec * c)
+            kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
+            kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
+
 
     @aware
     def attn_decode_lp(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
@@ -448,6 +475,18 @@ def make_attn_decode_lp(head_dim: int, group: int):
         for k in range(npl):
             vpg[k] = tables[b, min((start + r0 + k * rpw) // page_size, last_t)]
         n = seq_lens[b]  # tables and seq_lens are step inputs: no kernel writes them
+        newest = n - 1  # the position the kernel before (QKV + K / V write) is writing now
+        zero = float32(0.0)
+        vv = cuda.local.array(nv, float32)  # this lane's V rows (P V pass)
+        kk = cuda.local.array(nv, float32)  # the K row's columns of this warp at this lane's position
+        p = start + lane
+        valid = p < n
+        slot = p % page_size
+        # every K / V load of the split before any arithmetic; with `preload` before the grid
+        # dependency wait too (PDL), but for the newest position, loaded after it
+        lim = newest if preload else n
+        if preload:
+            lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk)
         grid_dep_wait()  # q (and the pools' newest position) come from the kernels before
         qs = cuda.shared.array(gd, float32)
         part = cuda.shared.array((nw, group, LP_SPLIT), float32)
@@ -458,27 +497,20 @@ def make_attn_decode_lp(head_dim: int, group: int):
         if start >= n:  # the whole block
             return
         cuda.syncthreads()  # qs
-        # every V load of the split before the scores: their latency overlaps the K pass
-        vv = cuda.local.array(nv, float32)
-        zero = float32(0.0)
-        for k in range(npl):
-            pj = start + r0 + k * rpw
-            ok = pj < n  # past the row: the table entry is stale or unset, so read page 0 instead
-            v0, v1, v2, v3, v4, v5, v6, v7 = ld8_pinned(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
-            vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
-            vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
-            vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
-            vv[k * vec + 6], vv[k * vec + 7] = (v6, v7) if ok else (zero, zero)
-        # this lane's position against every head of the group, over the warp's columns
-        p = start + lane
-        valid = p < n
-        slot = p % page_size
-        page = page if valid else 0
-        kk = cuda.local.array(nv, float32)  # the K row's columns of this warp (all loads first)
-        for c in range(lpr):
-            k0, k1, k2, k3, k4, k5, k6, k7 = ld8_pinned(k_cache, page, slot, kvh, c0 + vec * c)
-            kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
-            kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
+        if preload:  # the newest position, written by the kernel before: from L2, not L1
+            for k in range(npl):
+                pj = start + r0 + k * rpw
+                if pj == newest:
+                    v0, v1, v2, v3, v4, v5, v6, v7 = ld8_cg(v_cache, vpg[k], pj % page_size, kvh, d0)
+                    vv[k * vec + 0], vv[k * vec + 1], vv[k * vec + 2], vv[k * vec + 3] = v0, v1, v2, v3
+                    vv[k * vec + 4], vv[k * vec + 5], vv[k * vec + 6], vv[k * vec + 7] = v4, v5, v6, v7
+            if p == newest:
+                for c in range(lpr):
+                    k0, k1, k2, k3, k4, k5, k6, k7 = ld8_cg(k_cache, page, slot, kvh, c0 + vec * c)
+                    kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
+                    kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
+        else:
+            lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk)
         for g in range(group):
             sg = float32(0.0)
             for i in range(nv):  # kk's index is constant once this inner loop is unrolled
@@ -527,8 +559,8 @@ def make_attn_decode_lp(head_dim: int, group: int):
 
 
 @functools.cache
-def attn_decode_lp_kernel(head_dim, group):
-    return cuda.jit(make_attn_decode_lp(head_dim, group))
+def attn_decode_lp_kernel(head_dim, group, preload=False):
+    return cuda.jit(make_attn_decode_lp(head_dim, group, preload))
 
 
 def attn_decode_lp(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, mode, stream=0,
@@ -538,7 +570,7 @@ def attn_decode_lp(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part,
     max_splits, hd | 2] scratch; `num_splits` must cover the longest row)."""
     max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-    kernel = attn_decode_lp_kernel(spec.head_dim, spec.group_size)
+    kernel = attn_decode_lp_kernel(spec.head_dim, spec.group_size, LP_PRELOAD)
     kernel[(num_rows, spec.num_kv_heads, max_splits), 32 * lp_warps(spec.head_dim), stream](
         q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale
     )
@@ -927,6 +959,7 @@ def ptx_cases():
         for hd, group in ((64, 3), (128, 4), (128, 2), (256, 4)):
             sig = (f2, cache, cache, i2, i1, f4, f4, types.float32)
             cases.append((f"attn_decode_lp_hd{hd}_g{group}_{kv_t}", make_attn_decode_lp(hd, group), sig))
+            cases.append((f"attn_decode_lp_pre_hd{hd}_g{group}_{kv_t}", make_attn_decode_lp(hd, group, True), sig))
     for hd in (64, 128):
         cases.append((f"attn_combine_f32_hd{hd}", make_attn_combine(hd, 256, "f32"), (f4, f4, i1, f2, f2)))
         cases.append((f"attn_combine_q8_hd{hd}", make_attn_combine(hd, 256, "q8"), (f4, f4, i1, types.int8[:, ::1], f2)))

@@ -293,6 +293,7 @@ if not SIMULATOR:
 
     ld8 = _make_ld8()
     ld8_pinned = _make_ld8("global", pinned=True)
+    ld8_cg = _make_ld8("global.cg", pinned=True)  # from L2, never L1 (a line the kernel may hold stale)
 
     @cuda.jit(device=True, inline=True)
     def shfl_xor(v, off):
@@ -464,6 +465,7 @@ else:
         return tuple(float32(arr[i0, i1, i2, i3 + k]) for k in range(8))
 
     ld8_pinned = ld8
+    ld8_cg = ld8
 
     def shfl_xor(v, off):
         vals, lane = _warp_values(v)

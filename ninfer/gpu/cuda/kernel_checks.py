@@ -449,14 +449,20 @@ def check_attn_decode(scale, rng):
 
 
 def _check_decode_lp(spec, q, args, want, rows, longest, group):
-    """attention.attn_decode_lp (splits of 32, one position a lane) in both output modes."""
+    """attention.attn_decode_lp (splits of 32, one position a lane) in both output modes, with
+    and without the K / V loads before the grid dependency wait."""
     splits = -(-longest // attention.LP_SPLIT)
-    for m in ("f32", "q8"):
-        o_part = _poisoned((rows, spec.num_heads, splits, spec.head_dim))
-        ml = _poisoned((rows, spec.num_heads, splits, 2))
-        out, xs = _attn_out(spec, rows, m)
-        attention.attn_decode_lp(spec, *args, o_part, ml, out, xs, rows, m)
-        _check_attn(out, xs, want, m, f"attn_decode_lp g{group} hd{spec.head_dim} {m}")
+    preload = attention.LP_PRELOAD
+    try:
+        for m, pre in (("f32", False), ("q8", False), ("f32", True), ("q8", True)):
+            attention.LP_PRELOAD = pre  # K / V before the PDL wait, the newest position after it
+            o_part = _poisoned((rows, spec.num_heads, splits, spec.head_dim))
+            ml = _poisoned((rows, spec.num_heads, splits, 2))
+            out, xs = _attn_out(spec, rows, m)
+            attention.attn_decode_lp(spec, *args, o_part, ml, out, xs, rows, m)
+            _check_attn(out, xs, want, m, f"attn_decode_lp g{group} hd{spec.head_dim} {m} preload {pre}")
+    finally:
+        attention.LP_PRELOAD = preload
 
 
 def _check_decode_post(spec, scale, rng, kv_t, inter, split_mode, one_mode):
@@ -854,15 +860,17 @@ def _check_runner_lp(model, spec, kv_t, rng, rtol):
     from ninfer.gpu.reference import ReferenceRunner
 
     calls = []
-    lp, over = attention.attn_decode_lp, attention.LP_OVER_ONE
+    lp, over, pre = attention.attn_decode_lp, attention.LP_OVER_ONE, attention.LP_PRELOAD
     attention.attn_decode_lp = lambda *a, **kw: calls.append(1) or lp(*a, **kw)
     attention.LP_OVER_ONE = True
     try:
-        runner = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t)
-        _compare_one_row(runner, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
-        runner.close()
+        for preload in (False, True):  # in the replayed graph: K / V loads racing the K / V write
+            attention.LP_PRELOAD = preload
+            runner = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t)
+            _compare_one_row(runner, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
+            runner.close()
     finally:
-        attention.attn_decode_lp, attention.LP_OVER_ONE = lp, over
+        attention.attn_decode_lp, attention.LP_OVER_ONE, attention.LP_PRELOAD = lp, over, pre
     if not calls:
         raise AssertionError("the lanes-over-positions decode attention was not taken")
 
