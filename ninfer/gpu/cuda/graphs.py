@@ -4,6 +4,8 @@ Capture begins on the numba stream's own handle, the numba kernels are launched 
 stream as usual, and the captured graph is instantiated once; a replay (`cuGraphLaunch`) then
 costs about a microsecond per kernel instead of ~25 us of Python launch overhead. Everything
 captured must read static buffers only (the step's inputs are copied in before the replay).
+Before instantiation, edges into PDL-aware kernels become programmatic (`programmatic_edges`,
+pdl.py): the next kernel launches while the one before still runs.
 """
 
 from __future__ import annotations
