@@ -31,8 +31,8 @@ from numba import cuda, float32, int32, types
 
 from ninfer.gpu.cuda.act_quant import store_q8
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8, ld8_cg, ld8_pinned, ld_f32_cg,
-    shfl_xor, warp_max, warp_sum,
+    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8, ld8_cg, ld8_pinned,
+    ld_f32_cg, shfl_xor, warp_max, warp_sum,
 )
 from ninfer.gpu.cuda.pdl import aware
 from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
@@ -452,7 +452,6 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
             kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
             kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
 
-
     @aware
     def attn_decode_lp(q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale):
         grid_dep_launch()
@@ -468,8 +467,8 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
         c0 = warp * cols  # this warp's columns
         r0 = lane // lpr  # the P V pass: this lane's first row and its 8 columns
         d0 = c0 + (lane % lpr) * vec
-        # page ids first (clamped to the table; those past seq_lens are replaced by page 0 before
-        # any K / V load: entries past a row's pages are stale or unset): they do not wait for seq_lens
+        # page ids first, clamped to the table; they do not wait for seq_lens (lp_loads reads page 0
+        # for positions past the row: entries past a row's pages are stale or unset)
         page = tables[b, min((start + lane) // page_size, last_t)]
         vpg = cuda.local.array(npl, int32)
         for k in range(npl):
@@ -641,10 +640,9 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
     out_iters = -(-nblk // nw)
     gd = group * head_dim  # the rotated q of the group (post)
     post_heads = decode_post_fn(head_dim, group, nw, interleaved) if post else None
-    # the pool's new position is written by this very block (post) or by the kernel before, which
-    # may still run when this one starts (pdl.py): coherent loads (`.nc` is only for data that
-    # stays read-only during the kernel's whole lifetime)
-    load8 = ld8_pinned
+    # K / V loads are coherent (ld8_pinned): the pool's new position is written by this very block
+    # (post) or by the kernel before, which may still run when this one starts (pdl.py); `.nc`
+    # is only for data that stays read-only during the kernel's whole lifetime
 
     @aware
     def attn_decode_one(q, k_cache, v_cache, tables, seq_lens, out, xs, scale, post_args):
@@ -690,8 +688,8 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
                 p = first + j * nw * per_warp
                 ok = p < n
                 page = pg[j] if ok else 0
-                k0, k1, k2, k3, k4, k5, k6, k7 = load8(k_cache, page, p % page_size, kvh, d0)
-                v0, v1, v2, v3, v4, v5, v6, v7 = load8(v_cache, page, p % page_size, kvh, d0)
+                k0, k1, k2, k3, k4, k5, k6, k7 = ld8_pinned(k_cache, page, p % page_size, kvh, d0)
+                v0, v1, v2, v3, v4, v5, v6, v7 = ld8_pinned(v_cache, page, p % page_size, kvh, d0)
                 kc[j * vec + 0], kc[j * vec + 1], kc[j * vec + 2], kc[j * vec + 3] = k0, k1, k2, k3
                 kc[j * vec + 4], kc[j * vec + 5], kc[j * vec + 6], kc[j * vec + 7] = k4, k5, k6, k7
                 zero = float32(0.0)

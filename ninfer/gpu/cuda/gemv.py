@@ -597,7 +597,7 @@ def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str,
             bb = min(sub + u * lanes, last)
             for r in range(R):
                 wload(qs, d16, min(row0 + r, last_row), bb, W, S, u * R + r)
-        grid_dep_wait()  # src is the kernel before's output (PDL: the weights above are already loading)
+        grid_dep_wait()  # src is the kernel before's output (PDL: the weights above load meanwhile)
         build(src, nwt, eps, A_sh, X_sh, scratch)
         for blk0 in range(sub, nb, lanes * U):
             if blk0 != sub:

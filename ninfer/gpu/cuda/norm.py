@@ -52,7 +52,7 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
         for c in range(chunks):
             col = 4 * (tid + threads * c)
             if col < d:
-                v0, v1, v2, v3 = ld4_f32_pinned(x, src, col)  # 16-byte coherent loads (pdl.py), before this thread writes
+                v0, v1, v2, v3 = ld4_f32_pinned(x, src, col)  # coherent (pdl.py), before this thread writes
                 if has_res:
                     r0, r1, r2, r3 = ld4_f32_pinned(res, src, col)
                     v0, v1, v2, v3 = v0 + r0, v1 + r1, v2 + r2, v3 + r3

@@ -4,8 +4,8 @@
     python -m ninfer.gpu.cuda.ptx 12.0a      # sm_120a (the original engine's target)
 
 Prints one JSON object: kernel name -> {"target": ".target sm_90", "sass_bytes": n,
-"registers": r, "spill_bytes": s, "python_name", "pdl_aware", "grid_dep"} or {"error": "..."}. Assembling the PTX to machine code
-checks what `compile_ptx` cannot: the inline-asm instructions (dp4a, mma.sync, vector loads)
+"registers": r, "spill_bytes": s, "python_name", "pdl_aware", "grid_dep"} or {"error": "..."}.
+Assembling the PTX to machine code checks what `compile_ptx` cannot: the inline-asm instructions (dp4a, mma.sync, vector loads)
 must exist for the target, and the resource report shows registers and spills.
 
 numba-cuda asks the driver for the current device's compute capability when it types a call
