@@ -19,7 +19,7 @@ import pytest
 
 CHECK_NAMES = [
     "attn_decode", "attn_prefill", "dequantize_rows", "embed", "flash_prefill", "gemm", "gemv_epilogue", "gemv_f32", "gemv_fused",
-    "gemv_q8", "l2_prefetch", "pages", "qkv_post", "quantize_rows", "rmsnorm", "runner", "sampler", "swiglu",
+    "gemv_q8", "l2_prefetch", "lookahead", "pages", "qkv_post", "quantize_rows", "rmsnorm", "runner", "sampler", "swiglu",
 ]  # fmt: skip
 
 

@@ -25,7 +25,7 @@ gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 
 KERNEL_CHECKS = [
     "attn_decode", "attn_prefill", "dequantize_rows", "embed", "flash_prefill", "gemm", "gemv_epilogue", "gemv_f32", "gemv_fused",
-    "gemv_q8", "l2_prefetch", "pages", "qkv_post", "quantize_rows", "rmsnorm", "runner", "sampler", "swiglu",
+    "gemv_q8", "l2_prefetch", "lookahead", "pages", "qkv_post", "quantize_rows", "rmsnorm", "runner", "sampler", "swiglu",
 ]  # fmt: skip
 PROMPT = "<|im_start|>user\nWrite a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -5,7 +5,8 @@ the cache's pages), every request ended exactly once, every token stream is gap-
 duplicate-free, and each request produced exactly the tokens it produces alone without any
 cache (a prefix of them when it was cancelled). Before every forward pass and every cache copy
 the pool's reference counts equal the holders' page lists (sequences and cache): no count is
-negative and no page is both free and referenced.
+negative and no page is both free and referenced. Half the traces run with lookahead (decode
+step N + 1 submitted, fed by step N's samples, before step N is collected).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Trace:
     pending_timeout_s: float
     prefix_cache: bool = False
     host_cache_pages: int = 0  # the prefix cache's host tier, in pages
+    lookahead: bool = False  # the runner is pipelined: decode steps are submitted one ahead
 
 
 @st.composite
@@ -86,6 +88,7 @@ traces = st.builds(
     pending_timeout_s=st.sampled_from([4.0, 1000.0, 1000.0]),
     prefix_cache=st.sampled_from([True, True, False]),
     host_cache_pages=st.sampled_from([0, 1, 3, 1000]),
+    lookahead=st.booleans(),
 )
 
 
@@ -141,13 +144,14 @@ class CheckingExecutor(VirtualTimeExecutor):
     state = None
 
     async def __call__(self, fn, *args):
-        if self.state is not None and getattr(fn, "__name__", "") in ("step", "run"):
+        if self.state is not None and getattr(fn, "__name__", "") in ("step", "run", "submit", "_submit_then_collect"):
             check_pool(self.state)
         return await super().__call__(fn, *args)
 
 
 async def run_trace(trace: Trace):
     runner = make_runner(trace.num_pages)
+    runner.pipelined = trace.lookahead
     config = EngineConfig(
         page_size=PAGE, prefill_chunk=trace.prefill_chunk, max_concurrency=trace.max_concurrency,
         max_pending=trace.max_pending, pending_timeout_s=trace.pending_timeout_s,

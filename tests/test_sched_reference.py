@@ -8,6 +8,7 @@ alone, greedy or seeded.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 
@@ -89,3 +90,48 @@ async def test_pressure_on_the_reference_runner_changes_no_token(tokenizer, smol
         assert got.finished.reason is FinishReason.LENGTH
         assert got.token_ids == expected.token_ids and len(got.token_ids) == req.max_tokens
         assert got.text == expected.text == tokenizer.decode(list(got.token_ids))
+
+
+async def test_lookahead_on_the_reference_runner_changes_no_token(tokenizer):
+    """Decode steps submitted one ahead (fed by the samples of the step before) give each
+    request the tokens and log-probabilities it gets without lookahead, alone."""
+    model = tiny_llama(vocab_size=tokenizer.vocab_size, max_context=MAX_CONTEXT)
+    reqs = [attrs.evolve(req, logprobs=True, top_logprobs=2) if i == 1 else req for i, req in enumerate(requests(tokenizer))]
+    pages = 4 * MAX_CONTEXT // PAGE
+    alone = []
+    config = EngineConfig(page_size=PAGE, prefill_chunk=8, prefix_cache=False, lookahead=False)
+    async with open_engine(config, ReferenceRunner(model, num_pages=pages, page_size=PAGE), tokenizer) as engine:
+        for req in reqs:
+            alone += await collect_all(engine, [req])
+
+    runner = ReferenceRunner(model, num_pages=pages, page_size=PAGE)
+    runner.pipelined = True  # the CUDA runner's path: submit ahead with feed, collect behind
+    config = EngineConfig(page_size=PAGE, prefill_chunk=8, max_concurrency=4)
+    async with open_engine(config, runner, tokenizer, stop_token_ids=()) as engine:
+        together = await collect_all(engine, reqs)
+        stats = engine.statistics()
+
+    assert stats.num_lookahead_steps > stats.num_steps // 2
+    for got, expected in zip(together, alone):
+        assert got.token_ids == expected.token_ids and got.text == expected.text
+        assert got.finished.reason is expected.finished.reason
+        # batched with others vs alone: the same tokens, log-probabilities to float32 rounding
+        got_lp, want_lp = got.logprobs or (), expected.logprobs or ()
+        assert len(got_lp) == len(want_lp) == (len(got.token_ids) if got_lp else 0)
+        for g, w in zip(got_lp, want_lp):
+            assert g.logprob == pytest.approx(w.logprob, rel=1e-4, abs=1e-5)
+            assert [i for i, _ in g.top] == [i for i, _ in w.top] and len(g.top) == 2
+
+
+def test_bench_decode_with_lookahead_gives_the_host_fed_tokens(tokenizer):
+    """`ninfer bench`'s decode loop submits each step fed by the one before; its streams end on
+    the tokens the host-fed loop gives (greedy, three streams, same prompts)."""
+    import numpy as np
+
+    from ninfer.cli.bench import bench_decode
+
+    model = tiny_llama(vocab_size=tokenizer.vocab_size, max_context=MAX_CONTEXT)
+    runner = ReferenceRunner(model, num_pages=64, page_size=PAGE)
+    ahead = bench_decode(runner, 3, 8, 20, 1, np.random.default_rng(5), lookahead=True)
+    fed = bench_decode(runner, 3, 8, 20, 1, np.random.default_rng(5), lookahead=False)
+    assert ahead["last_tokens"] == fed["last_tokens"] and len(set(fed["last_tokens"])) > 1

@@ -55,6 +55,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(smollm2-135m, qwen3-0.6b, llama3-8b)")  # fmt: skip
     parser.add_argument("--random-qtype", default="Q4_1", help="weight type of --random models (Q4_1)")
     parser.add_argument("--no-graphs", action="store_true", help="CUDA: eager launches instead of graphs")
+    parser.add_argument("--no-lookahead", action="store_true", help="decode: read each step's tokens before "
+                        "submitting the next (default: step N + 1 is queued, fed on the device, before step N's "
+                        "tokens are read, as the server does)")  # fmt: skip
     parser.add_argument("--anchors", choices=sorted(ANCHORS), help="print ratios to these reference numbers")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     parser.set_defaults(run=run)
@@ -64,10 +67,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     model, name = _model(args)
     runner, backend = _runner(model, args)
-    results = {"model": name, "backend": backend, "weight_bytes": int(runner.step_weight_nbytes), "decode": [], "prefill": []}
+    results = {"model": name, "backend": backend, "weight_bytes": int(runner.step_weight_nbytes),
+               "lookahead": not args.no_lookahead, "decode": [], "prefill": []}  # fmt: skip
     rng = np.random.default_rng(0)
     for streams in args.streams:
-        results["decode"].append(bench_decode(runner, streams, args.decode_prompt, args.decode_tokens, args.repeats, rng))
+        results["decode"].append(bench_decode(runner, streams, args.decode_prompt, args.decode_tokens, args.repeats, rng,
+                                              lookahead=not args.no_lookahead))  # fmt: skip
     for length in args.prompt_lens:
         results["prefill"].append(bench_prefill(runner, length, args.repeats, rng))
     runner.close()
@@ -131,13 +136,20 @@ def _tables(runner, streams, per_seq):
     return [np.arange(per_seq, dtype=np.int32) + i * per_seq for i in range(streams)]
 
 
-def bench_decode(runner, streams: int, prompt_len: int, tokens: int, repeats: int, rng) -> dict:
-    """Median over repeats of the time `streams` rows take to decode `tokens` tokens each."""
+def bench_decode(runner, streams: int, prompt_len: int, tokens: int, repeats: int, rng, lookahead: bool = True) -> dict:
+    """Median over repeats of the time `streams` rows take to decode `tokens` tokens each.
+    lookahead: each step is submitted fed by the one before (its tokens stay on the device)
+    before that one's tokens are collected, as the engine's step task does."""
     from ninfer.gpu.runner import StepRow
 
     vocab = runner.spec.vocab_size
     per_seq = -(-(prompt_len + tokens + 2) // runner.page_size)
     tables = _tables(runner, streams, per_seq)
+
+    def rows_at(k, last):
+        return [StepRow(seq_id=i, token_ids=np.array([last[i] if last else 0], np.int32), start_pos=prompt_len + k,
+                        page_table=tables[i], sample=_greedy(k + 1)) for i in range(streams)]  # fmt: skip
+
     times = []
     for rep in range(repeats + 1):  # the first pass warms up (compiles, captures graphs)
         prompts = rng.integers(0, vocab, (streams, prompt_len)).astype(np.int32)
@@ -145,15 +157,21 @@ def bench_decode(runner, streams: int, prompt_len: int, tokens: int, repeats: in
                 for i in range(streams)]  # fmt: skip
         last = [t.token_id for t in runner.step(rows)]
         t0 = time.perf_counter()
-        for k in range(tokens):
-            rows = [StepRow(seq_id=i, token_ids=np.array([last[i]], np.int32), start_pos=prompt_len + k,
-                            page_table=tables[i], sample=_greedy(k + 1)) for i in range(streams)]  # fmt: skip
-            last = [t.token_id for t in runner.step(rows)]
+        if lookahead:
+            pending = runner.submit(rows_at(0, last))
+            for k in range(1, tokens):
+                ahead = runner.submit(rows_at(k, None), feed=True)
+                last = [t.token_id for t in runner.collect(pending)]
+                pending = ahead
+            last = [t.token_id for t in runner.collect(pending)]
+        else:
+            for k in range(tokens):
+                last = [t.token_id for t in runner.step(rows_at(k, last))]
         if rep:
             times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     return {"streams": streams, "tokens": tokens, "seconds": t, "tok_s": streams * tokens / t,
-            "ms_per_step": 1e3 * t / tokens, "context": prompt_len + tokens}  # fmt: skip
+            "ms_per_step": 1e3 * t / tokens, "context": prompt_len + tokens, "last_tokens": last}  # fmt: skip
 
 
 def bench_prefill(runner, length: int, repeats: int, rng) -> dict:
@@ -186,7 +204,8 @@ def _add_floor(results: dict, spec, runner) -> None:
 
 
 def format_table(results: dict, anchors: dict | None) -> str:
-    lines = [f"model {results['model']}  backend {results['backend']}  weights {results['weight_bytes'] / 1e6:.1f} MB"]
+    lines = [f"model {results['model']}  backend {results['backend']}  weights {results['weight_bytes'] / 1e6:.1f} MB"
+             f"  lookahead {'on' if results.get('lookahead') else 'off'}"]
     lines.append("decode  streams   tok/s  ms/step  floor tok/s  of floor   GB/s" + ("   vs anchor" if anchors else ""))
     for d in results["decode"]:
         line = (f"        {d['streams']:7d} {d['tok_s']:7.0f} {d['ms_per_step']:8.3f} {d.get('floor_tok_s', 0):12.0f}"

@@ -32,7 +32,7 @@ import attrs
 import numpy as np
 
 from ninfer.gpu import sampling
-from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
+from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights
 
@@ -68,7 +68,7 @@ class _Batch:
     single_lengths: np.ndarray  # int64 [R]: their context lengths (start_pos + 1)
 
 
-class ReferenceRunner:
+class ReferenceRunner(SyncSubmit):
     """`Runner` on numpy: float32 weights, a preallocated paged KV pool, the reference sampler."""
 
     def __init__(self, model, *, num_pages: int, page_size: int = 16, dtype=np.float32):

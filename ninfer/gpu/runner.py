@@ -12,6 +12,12 @@ logits at their last position; other rows (non-final prefill chunks) return None
 
 Sampling randomness is a pure function of (seed, token_index), so a seeded request produces the
 same tokens alone, in any batch, and after pause / replay.
+
+A step can also be submitted now and collected later (`submit` / `collect`), and a decode step
+can take its input tokens from the samples of the step submitted before it (`feed`) without
+the host reading them: a runner that computes in the background (`pipelined`) then lets the
+scheduler queue step N + 1 before it has read step N's tokens, so the GPU does not wait for
+the host between steps.
 """
 
 from __future__ import annotations
@@ -106,6 +112,51 @@ class PageSnapshot:
         return sum(int(a.nbytes) for a in self.arrays)
 
 
+@attrs.define(eq=False)
+class Pending:
+    """A submitted step; `Runner.collect` turns it into the step's results."""
+
+    rows: Sequence[StepRow]
+    state: object = None  # the runner's own: the launched sub-steps, or a synchronous runner's results
+
+
+def check_feed(previous: Sequence[StepRow] | None, rows: Sequence[StepRow]) -> None:
+    """Raise ValueError unless `rows` can take their tokens from the samples of `previous` (the
+    step submitted just before): the same sequences in the same order, each sampled there,
+    each now one token at the next position."""
+    if previous is None:
+        raise ValueError("feed needs a step submitted before it")
+    if len(previous) != len(rows):
+        raise ValueError(f"feed needs the previous step's {len(previous)} rows, got {len(rows)}")
+    for prev, row in zip(previous, rows, strict=True):
+        if prev.sample is None or row.seq_id != prev.seq_id or len(row.token_ids) != 1:
+            raise ValueError(f"sequence {row.seq_id}: feed needs one token per row, sampled by the step before")
+        if row.start_pos != prev.start_pos + len(prev.token_ids):
+            raise ValueError(f"sequence {row.seq_id}: feed needs position {prev.start_pos + len(prev.token_ids)}, "
+                             f"got {row.start_pos}")  # fmt: skip
+
+
+class SyncSubmit:
+    """`submit` / `collect` for runners that compute inside `step` (nothing runs behind the
+    caller's back, so submitting ahead saves nothing: `pipelined` is False unless set, which
+    tests do to run the scheduler's pipelined path on them)."""
+
+    pipelined = False
+    _last: tuple | None = None  # (rows, results) of the last submitted step
+
+    def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
+        if feed:
+            check_feed(self._last[0] if self._last else None, rows)
+            rows = [attrs.evolve(row, token_ids=np.array([tok.token_id], np.int32))
+                    for row, tok in zip(rows, self._last[1], strict=True)]  # fmt: skip
+        results = self.step(rows)
+        self._last = (rows, results)
+        return Pending(rows, results)
+
+    def collect(self, pending: Pending) -> list[SampledToken | None]:
+        return pending.state
+
+
 @runtime_checkable
 class Runner(Protocol):
     """A compute backend: the numpy reference or the numba.cuda one."""
@@ -113,6 +164,7 @@ class Runner(Protocol):
     spec: ModelSpec
     page_size: int  # tokens per KV page
     num_pages: int  # pages in the pool; ids are 0 .. num_pages - 1
+    pipelined: bool  # submit returns before the step is done (worth submitting one step ahead)
 
     @property
     def page_nbytes(self) -> int:
@@ -120,6 +172,15 @@ class Runner(Protocol):
 
     def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
         """Run one forward over the batch; one result per row, None where row.sample is None."""
+
+    def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
+        """Start a step; `collect` waits for its results. A runner that computes in the
+        background (`pipelined`) returns at once, so the caller can submit the next step while
+        this one runs. feed=True: the rows continue the previous submitted step's rows (see
+        `check_feed`), each taking the token sampled there as its input (token_ids ignored)."""
+
+    def collect(self, pending: Pending) -> list[SampledToken | None]:
+        """The results of a submitted step (each step collected once, in submission order)."""
 
     def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
         """Copy the pages' KV to host memory."""

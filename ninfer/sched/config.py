@@ -70,3 +70,6 @@ class EngineConfig:
         default=GIB, validator=_at_least(0, "bytes of host memory for demoted prefix-cache pages")
     )
     prefix_salt: str = ""  # mixed into every prefix-cache key (e.g. a model revision)
+    lookahead: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    # ^ on a pipelined runner (CUDA), queue decode step N + 1 before reading step N's tokens
+    #   (sched/stepper.py): the GPU does not wait for the host between steps

@@ -224,7 +224,9 @@ class Engine:
         assign_send, assign_receive = trio.open_memory_channel[Sequence](math.inf)
         for _ in range(self.config.max_concurrency):
             nursery.start_soon(run_lane, self._state, assign_receive, self.max_context)
-        stepper = Stepper(self._state, self.runner, self._executor, self._limits, assign_send)
+        lookahead = self.config.lookahead and bool(getattr(self.runner, "pipelined", False))
+        stepper = Stepper(self._state, self.runner, self._executor, self._limits, assign_send,
+                          max_context=self.max_context, lookahead=lookahead)  # fmt: skip
         nursery.start_soon(stepper.run)
         nursery.start_soon(self._expire_queue)
 

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 import trio
 
-from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
+from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
 from ninfer.models.spec import ModelSpec
 
 
@@ -45,7 +45,7 @@ class StepLog:
     rows: tuple[tuple[int, int, int, bool], ...]
 
 
-class FakeRunner:
+class FakeRunner(SyncSubmit):
     def __init__(
         self,
         *,

@@ -208,6 +208,7 @@ class EngineState:
             num_pages_active=len(active),
             host_snapshot_bytes=self.host_snapshot_bytes,
             num_steps=c.num_steps,
+            num_lookahead_steps=c.num_lookahead_steps,
             num_preemptions=c.num_preemptions,
             num_snapshot_restores=c.num_snapshot_restores,
             num_replay_restores=c.num_replay_restores,

@@ -54,6 +54,7 @@ class EngineStatistics:
     num_prefix_cache_pages: int = 0  # gauge: device pages the cache holds (active or not)
     num_prefix_host_pages: int = 0  # gauge: pages on the host tier
     prefix_host_bytes: int = 0  # gauge: host memory those pages take
+    num_lookahead_steps: int = 0  # decode steps queued before the step before them was read
 
 
 class Counters:
@@ -61,6 +62,7 @@ class Counters:
 
     def __init__(self):
         self.num_steps = 0
+        self.num_lookahead_steps = 0
         self.num_preemptions = 0
         self.num_snapshot_restores = 0
         self.num_replay_restores = 0

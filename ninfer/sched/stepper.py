@@ -3,6 +3,14 @@
 Each iteration is one recipe: reap cancelled requests, expire the queue, plan, apply the
 plan (reclaim, pause, resume, admit), run one batched forward off the event loop, hand the
 sampled tokens to their lanes and wait until every lane has taken its token.
+
+Lookahead (a pipelined runner, `EngineConfig.lookahead`): while the running set only decodes
+and nothing waits, the step task submits step N + 1 with `feed` (its tokens are step N's
+samples, on the device) before it collects step N, so the GPU runs N + 1 while the host hands
+out N's tokens. It stops looking ahead as soon as the plan could differ (a request queued,
+paused, cancelled or finished, a grammar or penalties, a sequence at its last token, no free
+page); the step in flight is then collected and committed like any other, its tokens dropped
+for sequences that ended meanwhile (their KV past the end is never read).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import trio
+
+import attrs
 
 from ninfer.gpu.runner import Runner, SampleSpec, StepRow
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
@@ -36,12 +46,17 @@ class Stepper:
         executor: Executor,
         limits: PlanLimits,
         assignments: trio.MemorySendChannel,
+        *,
+        max_context: int | None = None,
+        lookahead: bool = False,
     ):
         self._state = state
         self._runner = runner
         self._executor = executor
         self._limits = limits
         self._assignments = assignments
+        self._max_context = max_context or runner.spec.max_context
+        self._lookahead = lookahead
 
     async def run(self) -> None:
         """Step until cancelled, or until the runner fails (the engine is then unhealthy)."""
@@ -192,13 +207,67 @@ class Stepper:
                 rows.append(row)
         if not rows:
             return
-        results = await self._executor(self._runner.step, rows)
+        if not self._lookahead:
+            self._commit_step(kept, rows, await self._executor(self._runner.step, rows))
+            await self._state.wait_settled()
+            return
+        pending = await self._executor(self._runner.submit, rows)
+        while True:
+            ahead = self._ahead(kept, rows)
+            if ahead is None:
+                results = await self._executor(self._runner.collect, pending)
+            else:  # step N + 1 queued behind step N, then step N's tokens
+                results, next_pending = await self._executor(self._submit_then_collect, ahead[1], pending)
+                self._state.counters.num_lookahead_steps += 1
+            self._commit_step(kept, rows, results)
+            await self._state.wait_settled()
+            if ahead is None:
+                return
+            (kept, rows), pending = ahead, next_pending
+
+    def _submit_then_collect(self, rows: list[StepRow], pending):
+        """(in the executor's thread) Queue `rows` fed by the step before, then collect that step."""
+        next_pending = self._runner.submit(rows, feed=True)
+        return self._runner.collect(pending), next_pending
+
+    def _commit_step(self, kept: list[PlannedRow], rows: list[StepRow], results) -> None:
         if len(results) != len(rows):
             raise RuntimeError(f"the runner returned {len(results)} results for {len(rows)} rows")
         self._state.counters.num_steps += 1
         for planned_row, result in zip(kept, results):
             self._commit(planned_row, result)
-        await self._state.wait_settled()
+
+    def _ahead(self, kept: list[PlannedRow], rows: list[StepRow]):
+        """(planned rows, step rows) of the decode step after the one in flight (`rows`), fed by
+        its samples, or None where the plan after it could be anything else."""
+        state = self._state
+        if state.waiting or state.paused or len(state.running) != len(kept):
+            return None
+        for planned_row, row in zip(kept, rows, strict=True):
+            seq, request = planned_row.seq, planned_row.seq.request
+            if not planned_row.samples or seq.phase is not Phase.RUNNING or seq.is_cancel_requested:
+                return None
+            if request.constraint is not None or request.sampling.has_penalties:
+                return None  # the next step's inputs depend on the token in flight
+            # the in-flight token is the last one (length, context): nothing to look ahead for
+            if seq.num_output + 1 >= request.max_tokens or _next_pos(row) + 2 > self._max_context:
+                return None
+        page_size = self._limits.page_size
+        new_pages = sum(_next_pos(row) // page_size >= len(p.seq.pages) for p, row in zip(kept, rows, strict=True))
+        if new_pages > state.pool.num_free:
+            return None
+        ahead_kept, ahead_rows = [], []
+        for planned_row, row in zip(kept, rows, strict=True):
+            seq = planned_row.seq
+            if _next_pos(row) // page_size >= len(seq.pages):
+                seq.pages += state.pool.allocate(1)
+            ahead_kept.append(PlannedRow(seq=seq, num_tokens=1, num_new_pages=0, samples=True))
+            ahead_rows.append(StepRow(
+                seq_id=seq.seq_id, token_ids=np.zeros(1, np.int32), start_pos=_next_pos(row),
+                page_table=np.asarray(seq.pages, dtype=np.int32),
+                sample=attrs.evolve(row.sample, token_index=row.sample.token_index + 1),
+            ))  # fmt: skip
+        return ahead_kept, ahead_rows
 
     def _make_row(self, planned: PlannedRow, started_s: float) -> StepRow | None:
         seq = planned.seq
@@ -259,6 +328,11 @@ class Stepper:
             if result is None:
                 raise RuntimeError(f"the runner sampled nothing for sequence {seq.seq_id}")
             self._state.deliver(seq, result)
+
+
+def _next_pos(row: StepRow) -> int:
+    """Position of the token a row samples (its sequence's next input)."""
+    return row.start_pos + len(row.token_ids)
 
 
 def expire_waiting(state: EngineState) -> None:

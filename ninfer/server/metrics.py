@@ -43,6 +43,7 @@ _COUNTERS = (
     ("ninfer_snapshot_restores", "num_snapshot_restores", "Resumes from a host snapshot."),
     ("ninfer_replay_restores", "num_replay_restores", "Resumes by replaying tokens."),
     ("ninfer_engine_steps", "num_steps", "Engine steps (batched forward passes)."),
+    ("ninfer_lookahead_steps", "num_lookahead_steps", "Decode steps queued before the step before them was read."),
     ("ninfer_prefix_lookups", "num_prefix_lookups", "Prompts looked up in the prefix cache."),
     ("ninfer_prefix_hits", "num_prefix_hits", "Lookups that reused at least one token."),
     ("ninfer_prefix_demotions", "num_prefix_demotions", "Cached pages moved to the host tier."),

@@ -45,6 +45,30 @@ def _pinned(shape, dtype):
     return np.zeros(shape, dtype) if SIMULATOR else cuda.pinned_array(shape, dtype=dtype)
 
 
+MIRRORS = 2  # host mirror sets: a step in flight and the next one being staged
+
+
+class HostMirror:
+    """One set of pinned host arrays a step is staged in and its outputs come back to."""
+
+    FIELDS = ("h_tok", "h_row", "h_tiles", "h_tables", "h_fpar", "h_ipar", "h_seeds", "h_pen_ids", "h_pen_counts",
+              "h_masks", "h_out")  # fmt: skip
+
+    def __init__(self, spec, limits: Limits):
+        t, r = max(limits.alloc_tokens, limits.max_tokens), limits.max_rows
+        self.h_tok = _pinned((TOKEN_FIELDS, t), np.int32)
+        self.h_row = _pinned((ROW_FIELDS, r), np.int32)
+        self.h_tiles = _pinned((3, t + r), np.int32)
+        self.h_tables = _pinned((r, limits.max_pages_per_row), np.int32)
+        self.h_fpar = _pinned((r, NUM_FPAR), np.float32)
+        self.h_ipar = _pinned((r, NUM_IPAR), np.int32)
+        self.h_seeds = _pinned((r, 2), np.uint64)
+        self.h_pen_ids = _pinned(MAX_PENALTY_ENTRIES, np.int32)
+        self.h_pen_counts = _pinned(MAX_PENALTY_ENTRIES, np.int32)
+        self.h_masks = _pinned((r, (spec.vocab_size + 31) // 32), np.uint32)
+        self.h_out = _pinned(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
+
+
 class StepBuffers:
     """Device activations and I/O for one forward, plus their host mirrors."""
 
@@ -83,18 +107,17 @@ class StepBuffers:
         self.norm_sums = _dev(2 * spec.num_layers, np.float32)  # gemv_norm's sums of squares (embed zeroes them)
         self.dummy_f32 = _dev((1, 1), np.float32)
         self.dummy_f1 = _dev(1, np.float32)
-        # host mirrors
-        self.h_tok = _pinned((TOKEN_FIELDS, t), np.int32)
-        self.h_row = _pinned((ROW_FIELDS, r), np.int32)
-        self.h_tiles = _pinned((3, t + r), np.int32)
-        self.h_tables = _pinned((r, limits.max_pages_per_row), np.int32)
-        self.h_fpar = _pinned((r, NUM_FPAR), np.float32)
-        self.h_ipar = _pinned((r, NUM_IPAR), np.int32)
-        self.h_seeds = _pinned((r, 2), np.uint64)
-        self.h_pen_ids = _pinned(MAX_PENALTY_ENTRIES, np.int32)
-        self.h_pen_counts = _pinned(MAX_PENALTY_ENTRIES, np.int32)
-        self.h_masks = _pinned((r, (spec.vocab_size + 31) // 32), np.uint32)
-        self.h_out = _pinned(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
+        # host mirrors: MIRRORS sets, so a step can be staged while the one before is in flight
+        self.mirrors = tuple(HostMirror(spec, limits) for _ in range(MIRRORS))
+        self.use_mirror(0)
+
+    def use_mirror(self, i: int) -> HostMirror:
+        """Point the `h_*` attributes (what staging fills and a captured graph's copies read) at
+        host mirror `i`."""
+        m = self.mirrors[i]
+        for name in HostMirror.FIELDS:
+            setattr(self, name, getattr(m, name))
+        return m
 
     # named views the kernels take
     @property
@@ -135,11 +158,11 @@ class StepBuffers:
             out_f32[(2 + k) * r :].reshape(r, k),
         )  # fmt: skip
 
-    def host_outputs(self):
-        """(tokens, logprobs, top ids, top logprobs) views of the pinned output mirror."""
+    def host_outputs(self, mirror: HostMirror):
+        """(tokens, logprobs, top ids, top logprobs) views of a pinned output mirror."""
         r, k = self.limits.max_rows, MAX_TOP_LOGPROBS
-        f = self.h_out.view(np.float32)
-        return self.h_out[:r], f[r : 2 * r], self.h_out[2 * r : (2 + k) * r].reshape(r, k), f[(2 + k) * r :].reshape(r, k)
+        f = mirror.h_out.view(np.float32)
+        return mirror.h_out[:r], f[r : 2 * r], mirror.h_out[2 * r : (2 + k) * r].reshape(r, k), f[(2 + k) * r :].reshape(r, k)
 
     @property
     def xq32(self):

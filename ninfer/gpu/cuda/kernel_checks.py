@@ -853,6 +853,69 @@ def check_runner(scale, rng):
                 epi.close()
 
 
+def check_lookahead(scale, rng):
+    """Steps submitted one ahead with `feed` (tokens = the step before's samples, copied on the
+    device inside the graph) give exactly the tokens, log-probabilities and top lists of steps
+    fed through the host: greedy and seeded rows, top logprobs, on the GPU three streams in a
+    bucket of four (a padding row); and with fewer rows a step than streams, the batch in two
+    sub-steps (the host path). The simulator (~10 s a step) takes two streams, one fed step."""
+    from ninfer.gpu.cuda.random_model import random_model, random_spec
+    from ninfer.gpu.cuda.runner import CudaRunner
+
+    spec = random_spec("tiny", arch="llama")
+    model = random_model(spec, "Q8_0", seed=int(rng.integers(1 << 30)))
+    tiny = scale == "tiny"
+    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in ((5, 3) if tiny else (5, 3, 7))]
+    steps = 1 if tiny else 12
+    for max_rows in (2, 1) if tiny else (4, 2):
+        runs = []
+        for ahead in (False, True):
+            runner = CudaRunner(model, num_pages=32, page_size=4, max_batch_rows=max_rows, activations="q8",
+                                split_len=8)  # fmt: skip
+            runs.append(_decode_streams(runner, spec, prompts, steps, ahead))
+            fed_graphs = [k for k in (runner._graphs.keys() if runner._graphs is not None else ()) if k[-1]]
+            runner.close()
+            if ahead and max_rows == 4 and not fed_graphs:
+                raise AssertionError("no fed decode graph was captured")
+        for i, (want, got) in enumerate(zip(*runs, strict=True)):
+            for j, (w, g) in enumerate(zip(want, got, strict=True)):
+                where = f"max_rows {max_rows}, step {i}, stream {j}"
+                if g.token_id != w.token_id or g.logprob != w.logprob:
+                    raise AssertionError(f"{where}: ({g.token_id}, {g.logprob}) != ({w.token_id}, {w.logprob})")
+                if (g.top_ids is None) != (w.top_ids is None) or (w.top_ids is not None and (
+                        list(g.top_ids) != list(w.top_ids) or list(g.top_logprobs) != list(w.top_logprobs))):  # fmt: skip
+                    raise AssertionError(f"{where}: top lists {g.top_ids} != {w.top_ids}")
+
+
+def _decode_streams(runner, spec, prompts, steps: int, ahead: bool) -> list:
+    """Each step's results for len(prompts) streams: the prompts, then `steps` decode steps fed
+    through the host (step) or one ahead on the device (submit feed=True, collect behind)."""
+    from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
+
+    kinds = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.0))
+    tops = (0, 3, 2)
+
+    def rows_at(k, tokens):
+        return [StepRow(seq_id=i, token_ids=np.asarray(tokens[i] if tokens else [0], np.int32).reshape(-1),
+                        start_pos=0 if k < 0 else len(p) + k, page_table=np.arange(8, dtype=np.int32) + 8 * i,
+                        sample=SampleSpec(params=kinds[i], seed=7 + i, token_index=k + 1, num_top_logprobs=tops[i]))
+                for i, p in enumerate(prompts)]  # fmt: skip
+
+    out = []
+    if ahead:
+        pending = runner.submit(rows_at(-1, prompts))
+        for k in range(steps):
+            nxt = runner.submit(rows_at(k, None), feed=True)
+            out.append(runner.collect(pending))
+            pending = nxt
+        out.append(runner.collect(pending))
+        return out
+    out.append(runner.step(rows_at(-1, prompts)))
+    for k in range(steps):
+        out.append(runner.step(rows_at(k, [[t.token_id] for t in out[-1]])))
+    return out
+
+
 def _check_runner_lp(model, spec, kv_t, rng, rtol):
     """One row whose decode attention is attn_decode_lp (splits of 32; chosen over the one-launch
     kernel here, which the tiny shape would take), counted to be sure it ran."""

@@ -3,26 +3,31 @@
 Weights stay in stored form on the device; the KV pool is [layers, pages + 1, page_size,
 kv_heads, head_dim] of `kv_dtype` (float16 by default, float32 for an exact pool), the extra
 page absorbing the padding rows of graph buckets. A step is split into sub-steps that fit the
-buffers; each sub-step fills the pinned host mirrors, then runs the inputs' copies up, the
+buffers; each sub-step fills a set of pinned host mirrors, then runs the inputs' copies up, the
 forward pass and the sampled tokens' copy back, as a CUDA graph captured once per batch bucket
-(one graph launch and one synchronisation a step on the host), or eagerly.
+and mirror set (one graph launch a step on the host), or eagerly, and records an event that
+`collect` waits on. Two mirror sets let `submit` stage and launch step N + 1 while step N still
+runs; with `feed` its tokens are step N's samples, copied on the device inside the graph.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 from numba import cuda
 
 from ninfer.gpu import sampling
 from ninfer.gpu.cuda import pages
-from ninfer.gpu.cuda.buffers import Limits, StepBuffers
+from ninfer.gpu.cuda.buffers import MIRRORS, Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
-from ninfer.gpu.cuda.staging import Piece, download, fetch_outputs, plan_pieces, stage_inputs, upload
-from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
+from ninfer.gpu.cuda.staging import (
+    Piece, Staged, download, feed_tokens, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
+)
+from ninfer.gpu.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed
 
 
 # The step's input copies and the sampled tokens' copy back go inside the captured graph (one
@@ -31,8 +36,20 @@ from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow
 COPIES_IN_GRAPH = True
 
 
+class _Sub:
+    """One launched sub-step: what `collect` needs to wrap its results."""
+
+    __slots__ = ("rows", "batch", "staged", "mirror", "logits", "results")
+
+    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, logits: dict):
+        self.rows, self.batch, self.staged, self.mirror, self.logits = rows, batch, staged, mirror, logits
+        self.results: list[SampledToken | None] | None = None
+
+
 class CudaRunner:
     """`Runner` on one CUDA GPU (or, at tiny shapes, numba's CUDA simulator)."""
+
+    pipelined = True  # submit returns once the step is queued
 
     def __init__(
         self,
@@ -99,6 +116,10 @@ class CudaRunner:
 
             self._graphs = GraphCache(self.stream)
         self._warm: set[int] = set()
+        self._events = [cuda.event() if SIMULATOR else cuda.event(timing=False) for _ in range(MIRRORS)]
+        self._owners: list[_Sub | None] = [None] * MIRRORS  # the sub-step each mirror set last took
+        self._next_mirror = 0
+        self._last: Pending | None = None  # the last submitted step (its rows and sub-steps), for `feed`
         self.stream.synchronize()
 
     # -- Runner protocol ------------------------------------------------------------------------
@@ -120,10 +141,30 @@ class CudaRunner:
 
     def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
         """Run one forward over the batch; one result per row, None where row.sample is None."""
-        self._validate(rows)
-        results: list[SampledToken | None] = [None] * len(rows)
-        for batch in plan_pieces(rows, self.limits, self.page_size):
-            for piece, token in zip(batch, self._run(rows, batch), strict=True):
+        return self.collect(self.submit(rows))
+
+    def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
+        """Stage and launch the step's sub-steps; returns once they are queued on the stream.
+        feed=True: the rows continue the last submitted step's rows, whose samples become
+        their tokens on the device (through the host, after waiting for that step, where
+        either step runs as several sub-steps)."""
+        if feed:
+            check_feed(self._last.rows if self._last else None, rows)
+        self._validate(rows, check_tokens=not feed)
+        batches = plan_pieces(rows, self.limits, self.page_size)
+        if feed and (len(self._last.state) != 1 or len(batches) != 1):
+            # the samples are not in one sub-step's outputs: take them through the host
+            tokens = [t.token_id for t in self.collect(self._last)]
+            rows = [attrs.evolve(row, token_ids=np.array([t], np.int32)) for row, t in zip(rows, tokens, strict=True)]
+            feed = False
+        self._last = Pending(rows, [self._launch(rows, batch, feed) for batch in batches])
+        return self._last
+
+    def collect(self, pending: Pending) -> list[SampledToken | None]:
+        """Wait for a submitted step (not for any submitted after it); one result per row."""
+        results: list[SampledToken | None] = [None] * len(pending.rows)
+        for sub in pending.state:
+            for piece, token in zip(sub.batch, self._fetch(sub), strict=True):
                 if token is not None:
                     results[piece.row] = token
         return results
@@ -183,9 +224,17 @@ class CudaRunner:
 
     # -- one sub-step -----------------------------------------------------------------------------
 
-    def _run(self, rows: Sequence[StepRow], batch: list[Piece]) -> list[SampledToken | None]:
+    def _launch(self, rows: Sequence[StepRow], batch: list[Piece], feed: bool) -> _Sub:
+        """Stage one sub-step into the next host mirror set and queue it: the inputs' copies,
+        (feed: the samples before as tokens), the forward pass, the outputs' copies back."""
+        m = self._next_mirror
+        self._next_mirror = (m + 1) % MIRRORS
+        owner = self._owners[m]
+        if owner is not None:
+            self._fetch(owner)  # its outputs out of the mirror before this sub-step reuses it
+        self.bufs.use_mirror(m)
         decode = all(p.count == 1 for p in batch)
-        key = self._graph_key(rows, batch, decode) if self.use_graphs else None
+        key = (*self._graph_key(rows, batch, decode), m, feed) if self.use_graphs else None
         pad_rows, pad_tokens = (key[1], key[2]) if key else (None, None)
         staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
         splits = key[3] if key else self._splits(_longest(rows, batch))
@@ -196,6 +245,8 @@ class CudaRunner:
         def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
             if copies:
                 upload(self.bufs, staged, self.stream)
+            if feed:
+                feed_tokens(self.bufs, staged.num_rows, self.stream)
             self.forward.launch(plan, self.stream)
             if copies:
                 download(self.bufs, staged, self.stream)
@@ -208,12 +259,28 @@ class CudaRunner:
             self._graphs.replay(key)
         else:
             # first use of this bucket: compile and run eagerly, then record it for next time
-            # (the copies' sizes are the bucket's, so the graph's copy nodes fit every step of it)
+            # (the copies' sizes are the bucket's, so the graph's copy nodes fit every step of it),
+            # for every mirror set at once: a capture runs nothing, but costs ~0.1 s on an 8B model,
+            # which must not land in a later step (each mirror's graph reads its own host arrays)
             launch()
-            self._graphs.capture(key, launch)
+            for mm in range(MIRRORS):
+                self.bufs.use_mirror(mm)
+                self._graphs.capture((*key[:-2], mm, feed), launch)
+            self.bufs.use_mirror(m)
         if not copies:
             download(self.bufs, staged, self.stream)
-        return fetch_outputs(self.bufs, rows, batch, staged, self.stream)
+        sub = _Sub(rows, batch, staged, m, queue_extras(self.bufs, rows, batch, staged, self.stream))
+        self._events[m].record(self.stream)
+        self._owners[m] = sub
+        return sub
+
+    def _fetch(self, sub: _Sub) -> list[SampledToken | None]:
+        """A sub-step's results, waiting for it (not for later sub-steps) the first time."""
+        if sub.results is None:
+            self._events[sub.mirror].synchronize()
+            sub.results = fetch_outputs(self.bufs, self.bufs.mirrors[sub.mirror], sub.rows, sub.batch, sub.staged,
+                                        sub.logits)  # fmt: skip
+        return sub.results
 
     def _graph_key(self, rows, batch: list[Piece], decode: bool):
         """(kind, rows, tokens, splits) of the bucket this sub-batch is padded to and replayed in."""
@@ -230,7 +297,7 @@ class CudaRunner:
 
     # -- helpers ------------------------------------------------------------------------------------
 
-    def _validate(self, rows: Sequence[StepRow]) -> None:
+    def _validate(self, rows: Sequence[StepRow], check_tokens: bool = True) -> None:
         for row in rows:
             n = len(row.token_ids)
             if n < 1:
@@ -241,7 +308,7 @@ class CudaRunner:
             if len(row.page_table) * self.page_size < end:
                 raise ValueError(f"sequence {row.seq_id}: {len(row.page_table)} pages cannot hold {end} positions")
             ids = np.asarray(row.token_ids)
-            if ids.min() < 0 or ids.max() >= self.spec.vocab_size:
+            if check_tokens and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
                 raise ValueError(f"sequence {row.seq_id}: token ids must be in [0, {self.spec.vocab_size})")
             s = row.sample
             if s is not None and s.allowed is not None and not np.asarray(s.allowed, bool).any():

@@ -205,7 +205,7 @@ def upload(bufs: StepBuffers, staged: Staged, stream) -> None:
 
 def download(bufs: StepBuffers, staged: Staged, stream) -> None:
     """Copy back the head rows' tokens and logprobs (the top-logprob lists, when asked for,
-    come back in fetch_outputs)."""
+    come back in queue_extras)."""
     if staged.num_sampled:
         _copy_down(bufs.h_out, bufs.out, bufs.limits.max_rows + staged.num_sampled, stream)
 
@@ -221,25 +221,41 @@ def _copy_up(dev, host, n, stream):
     memcpy_htod(dev, host, rows * (host.nbytes // host.shape[0]), stream)
 
 
-def fetch_outputs(bufs: StepBuffers, rows, batch: list[Piece], staged: Staged, stream) -> list[SampledToken | None]:
-    """Wait for the step (whose `download` is queued) and wrap the head rows' results, one entry
-    per piece of the batch; top-logprob lists and logits are copied back here when asked for."""
-    s = staged.num_sampled
-    results: list[SampledToken | None] = [None] * len(batch)
-    if s == 0:
-        stream.synchronize()
-        return results
-    specs = [rows[batch[i].row].sample if i >= 0 else None for i in staged.head_pieces]
+def feed_tokens(bufs: StepBuffers, num_rows: int, stream) -> None:
+    """Token i of a decode step := the token the step before sampled for head row i (queued
+    behind `upload`, so it replaces the staged placeholder; CudaRunner.submit's `feed`)."""
+    if SIMULATOR:
+        bufs.tok_in[0, :num_rows].copy_to_device(bufs.out[:num_rows])
+        return
+    from ninfer.gpu.cuda.graphs import memcpy_dtod
+
+    memcpy_dtod(bufs.tok_in[0], bufs.out, 4 * num_rows, stream)
+
+
+def _head_specs(rows, batch: list[Piece], staged: Staged) -> list:
+    return [rows[batch[i].row].sample if i >= 0 else None for i in staged.head_pieces]
+
+
+def queue_extras(bufs: StepBuffers, rows, batch: list[Piece], staged: Staged, stream) -> dict:
+    """Queue, right behind the step (before any later step can overwrite the device outputs),
+    the copies back only some steps need: the top-logprob lists into the selected host mirror,
+    and logits rows, returned by head index (complete once the step is)."""
+    specs = _head_specs(rows, batch, staged)
     if any(sp is not None and sp.num_top_logprobs for sp in specs):
         r, k = bufs.limits.max_rows, MAX_TOP_LOGPROBS
         _copy_down(bufs.h_out, bufs.out, (2 + 2 * k) * r, stream)
-    logits = {}
-    for j, sp in enumerate(specs):
-        if sp is not None and sp.want_logits:
-            logits[j] = bufs.logits[j].copy_to_host(stream=stream)
-    stream.synchronize()
-    toks, lps, top_ids, top_lps = bufs.host_outputs()
-    for j, (i, sp) in enumerate(zip(staged.head_pieces, specs, strict=True)):
+    return {j: bufs.logits[j].copy_to_host(stream=stream) for j, sp in enumerate(specs) if sp is not None and sp.want_logits}
+
+
+def fetch_outputs(bufs: StepBuffers, mirror, rows, batch: list[Piece], staged: Staged,
+                  logits: dict) -> list[SampledToken | None]:  # fmt: skip
+    """Wrap the head rows' results in `mirror` (the step must be complete), one entry per
+    piece of the batch; `logits` from queue_extras."""
+    results: list[SampledToken | None] = [None] * len(batch)
+    if staged.num_sampled == 0:
+        return results
+    toks, lps, top_ids, top_lps = bufs.host_outputs(mirror)
+    for j, (i, sp) in enumerate(zip(staged.head_pieces, _head_specs(rows, batch, staged), strict=True)):
         if sp is None:
             continue
         n_top = sp.num_top_logprobs
