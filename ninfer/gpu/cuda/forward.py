@@ -36,6 +36,7 @@ class StepPlan:
     decode: bool  # every row has one token: split-K decode attention
     num_tiles: int = 0  # prefill attention tiles (general path)
     num_splits: int = 0  # decode attention splits to launch (0: every split the buffers hold)
+    feed: bool = False  # the tokens are the step before's samples: embed reads them from the sampler's output
 
     @property
     def act(self) -> str:
@@ -120,7 +121,8 @@ class Forward:
         folds = self.folds if one else frozenset()
         epi = self.epilogues if one else frozenset()
         norm_out = one and self.norm_out_taken
-        embed.embed(self.model.embed, b.tokens, b.x, t, stream, clear=b.norm_sums if norm_out else b.dummy_f1)
+        tokens = b.out if plan.feed else b.tokens  # out[:rows]: the sampled ids, row i's at i
+        embed.embed(self.model.embed, tokens, b.x, t, stream, clear=b.norm_sums if norm_out else b.dummy_f1)
         # int8 rows of a one-token step (see NORM_OUT): the FFN's input and h
         ffn_in, h_row = (1, 2) if norm_out else (0, 1)
         last = len(self.model.layers) - 1

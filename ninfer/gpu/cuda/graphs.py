@@ -128,10 +128,3 @@ def memcpy_dtoh(dst_host, src_dev, nbytes: int, stream) -> None:
         check(driver.cuMemcpyDtoHAsync(dst_host.ctypes.data, src_dev.__cuda_array_interface__["data"][0], nbytes,
                                        stream_handle(stream)))  # fmt: skip
 
-
-def memcpy_dtod(dst_dev, src_dev, nbytes: int, stream) -> None:
-    """Async copy of the first `nbytes` of one device array into another."""
-    if nbytes:
-        check(driver.cuMemcpyDtoDAsync(dst_dev.__cuda_array_interface__["data"][0],
-                                       src_dev.__cuda_array_interface__["data"][0], nbytes,
-                                       stream_handle(stream)))  # fmt: skip

@@ -854,8 +854,8 @@ def check_runner(scale, rng):
 
 
 def check_lookahead(scale, rng):
-    """Steps submitted one ahead with `feed` (tokens = the step before's samples, copied on the
-    device inside the graph) give exactly the tokens, log-probabilities and top lists of steps
+    """Steps submitted one ahead with `feed` (tokens = the step before's samples, which embed
+    reads on the device) give exactly the tokens, log-probabilities and top lists of steps
     fed through the host: greedy and seeded rows, top logprobs, on the GPU three streams in a
     bucket of four (a padding row); and with fewer rows a step than streams, the batch in two
     sub-steps (the host path). The simulator (~10 s a step) takes two streams, one fed step."""
@@ -877,14 +877,18 @@ def check_lookahead(scale, rng):
             runner.close()
             if ahead and max_rows == 4 and not fed_graphs:
                 raise AssertionError("no fed decode graph was captured")
-        for i, (want, got) in enumerate(zip(*runs, strict=True)):
-            for j, (w, g) in enumerate(zip(want, got, strict=True)):
-                where = f"max_rows {max_rows}, step {i}, stream {j}"
-                if g.token_id != w.token_id or g.logprob != w.logprob:
-                    raise AssertionError(f"{where}: ({g.token_id}, {g.logprob}) != ({w.token_id}, {w.logprob})")
-                if (g.top_ids is None) != (w.top_ids is None) or (w.top_ids is not None and (
-                        list(g.top_ids) != list(w.top_ids) or list(g.top_logprobs) != list(w.top_logprobs))):  # fmt: skip
-                    raise AssertionError(f"{where}: top lists {g.top_ids} != {w.top_ids}")
+        _same_results(*runs, max_rows)
+
+
+def _same_results(want_steps, got_steps, max_rows):
+    for i, (want, got) in enumerate(zip(want_steps, got_steps, strict=True)):
+        for j, (w, g) in enumerate(zip(want, got, strict=True)):
+            where = f"max_rows {max_rows}, step {i}, stream {j}"
+            if g.token_id != w.token_id or g.logprob != w.logprob:
+                raise AssertionError(f"{where}: ({g.token_id}, {g.logprob}) != ({w.token_id}, {w.logprob})")
+            if (g.top_ids is None) != (w.top_ids is None) or (w.top_ids is not None and (
+                    list(g.top_ids) != list(w.top_ids) or list(g.top_logprobs) != list(w.top_logprobs))):  # fmt: skip
+                raise AssertionError(f"{where}: top lists {g.top_ids} != {w.top_ids}")
 
 
 def _decode_streams(runner, spec, prompts, steps: int, ahead: bool) -> list:

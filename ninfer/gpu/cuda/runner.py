@@ -7,7 +7,7 @@ buffers; each sub-step fills a set of pinned host mirrors, then runs the inputs'
 forward pass and the sampled tokens' copy back, as a CUDA graph captured once per batch bucket
 and mirror set (one graph launch a step on the host), or eagerly, and records an event that
 `collect` waits on. Two mirror sets let `submit` stage and launch step N + 1 while step N still
-runs; with `feed` its tokens are step N's samples, copied on the device inside the graph.
+runs; with `feed` its embedding gathers step N's samples where the sampler left them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.staging import (
-    Piece, Staged, download, feed_tokens, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
+    Piece, Staged, download, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
 )
 from ninfer.gpu.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed
 
@@ -226,7 +226,7 @@ class CudaRunner:
 
     def _launch(self, rows: Sequence[StepRow], batch: list[Piece], feed: bool) -> _Sub:
         """Stage one sub-step into the next host mirror set and queue it: the inputs' copies,
-        (feed: the samples before as tokens), the forward pass, the outputs' copies back."""
+        the forward pass (feed: over the samples before), the outputs' copies back."""
         m = self._next_mirror
         self._next_mirror = (m + 1) % MIRRORS
         owner = self._owners[m]
@@ -239,14 +239,12 @@ class CudaRunner:
         staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
         splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
-                        decode=decode, num_tiles=staged.num_tiles, num_splits=splits)  # fmt: skip
+                        decode=decode, num_tiles=staged.num_tiles, num_splits=splits, feed=feed)  # fmt: skip
         copies = COPIES_IN_GRAPH
 
         def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
             if copies:
                 upload(self.bufs, staged, self.stream)
-            if feed:
-                feed_tokens(self.bufs, staged.num_rows, self.stream)
             self.forward.launch(plan, self.stream)
             if copies:
                 download(self.bufs, staged, self.stream)

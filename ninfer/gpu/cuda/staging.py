@@ -221,17 +221,6 @@ def _copy_up(dev, host, n, stream):
     memcpy_htod(dev, host, rows * (host.nbytes // host.shape[0]), stream)
 
 
-def feed_tokens(bufs: StepBuffers, num_rows: int, stream) -> None:
-    """Token i of a decode step := the token the step before sampled for head row i (queued
-    behind `upload`, so it replaces the staged placeholder; CudaRunner.submit's `feed`)."""
-    if SIMULATOR:
-        bufs.tok_in[0, :num_rows].copy_to_device(bufs.out[:num_rows])
-        return
-    from ninfer.gpu.cuda.graphs import memcpy_dtod
-
-    memcpy_dtod(bufs.tok_in[0], bufs.out, 4 * num_rows, stream)
-
-
 def _head_specs(rows, batch: list[Piece], staged: Staged) -> list:
     return [rows[batch[i].row].sample if i >= 0 else None for i in staged.head_pieces]
 
