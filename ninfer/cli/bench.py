@@ -4,7 +4,9 @@ Drives the `Runner` directly (no HTTP, no scheduler), greedy, after warm-up runs
 kernels and capture the CUDA graphs:
 
 * decode: B streams with 128-token prompts each decode `--decode-tokens` tokens in lock step;
-  aggregate tok/s = B * tokens / time;
+  aggregate tok/s = B * tokens / time. Each step is submitted fed by the step before (its
+  tokens stay on the device) before that step's tokens are collected, as the engine's step
+  task does (`--no-lookahead`: each step's tokens are read before the next is built);
 * prefill: one prompt of L tokens in one step (its first token sampled); tok/s = L / time, and
   time to first token (TTFT) is that step's time;
 * floor: the bytes one decode step must read (the layers' and the head's weights once, not
