@@ -287,3 +287,40 @@ async def test_inactive_cache_pages_are_reclaimed_before_pausing_anyone(autojump
     assert cache.reclaimed == 5 and stats.num_preemptions == 0
     assert sorted(cache.published) == [(0, 4), (1, 4)]  # offered the pages before release
     assert all(r.finished.reason is FinishReason.LENGTH for r in results)
+
+
+async def test_lookahead_runs_while_the_queue_waits_for_a_lane(autojump_clock):
+    """With every lane busy a queued request cannot change the next plan, so decode steps keep
+    being submitted one ahead; each request still gets the tokens it gets alone, and a stop
+    token ends its request with the token in flight dropped."""
+    requests = [GenerationRequest(prompt_ids=(5, 6, i), max_tokens=12, seed=i) for i in range(3)]
+
+    async def outputs(pipelined):
+        runner = make_runner()
+        runner.pipelined = pipelined
+        async with engine_for(runner, stop_token_ids=(), max_concurrency=1) as engine:
+            async with trio.open_nursery() as nursery:
+                results = {}
+
+                async def one(i):
+                    async with engine.submit(requests[i]) as stream:
+                        results[i] = (await stream.collect()).token_ids
+
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            stats = engine.statistics()
+        return [results[i] for i in range(3)], stats
+
+    alone, plain = await outputs(False)
+    ahead, stats = await outputs(True)
+    assert ahead == alone and all(len(t) == 12 for t in ahead)
+    assert plain.num_lookahead_steps == 0
+    # per request: its prompt step, then 11 decode steps, each submitted fed by the one before
+    assert stats.num_lookahead_steps == 3 * 11 and stats.num_steps == plain.num_steps
+    stop = alone[0][4]  # the fifth token of request 0 as a stop token: it ends after 4 deltas
+    runner = make_runner()
+    runner.pipelined = True
+    async with engine_for(runner, stop_token_ids=(stop,), max_concurrency=1) as engine:
+        async with engine.submit(requests[0]) as stream:
+            done = await stream.collect()
+    assert done.token_ids == alone[0][:4] and done.finished.reason is FinishReason.STOP

@@ -5,10 +5,10 @@ plan (reclaim, pause, resume, admit), run one batched forward off the event loop
 sampled tokens to their lanes and wait until every lane has taken its token.
 
 Lookahead (a pipelined runner, `EngineConfig.lookahead`): while the running set only decodes
-and nothing waits, the step task submits step N + 1 with `feed` (its tokens are step N's
+and nothing could be admitted or resumed, the step task submits step N + 1 with `feed` (its tokens are step N's
 samples, on the device) before it collects step N, so the GPU runs N + 1 while the host hands
-out N's tokens. It stops looking ahead as soon as the plan could differ (a request queued,
-paused, cancelled or finished, a grammar or penalties, a sequence at its last token, no free
+out N's tokens. It stops looking ahead as soon as the plan could differ (a request queued
+with a lane free, a request paused, cancelled or finished, a grammar or penalties, a sequence at its last token, no free
 page); the step in flight is then collected and committed like any other, its tokens dropped
 for sequences that ended meanwhile (their KV past the end is never read).
 """
@@ -241,7 +241,10 @@ class Stepper:
         """(planned rows, step rows) of the decode step after the one in flight (`rows`), fed by
         its samples, or None where the plan after it could be anything else."""
         state = self._state
-        if state.waiting or state.paused or len(state.running) != len(kept):
+        # a paused request may resume, a queued one be admitted where a lane is free (the
+        # deadline task expires the queue meanwhile)
+        can_admit = state.waiting and len(state.running) < self._limits.max_concurrency
+        if state.paused or can_admit or len(state.running) != len(kept):
             return None
         for planned_row, row in zip(kept, rows, strict=True):
             seq, request = planned_row.seq, planned_row.seq.request
