@@ -40,6 +40,10 @@ def test_serve_flags_reach_the_engine_config():
     assert on.engine_fields()["prefix_cache"] is True and on.engine_fields()["host_cache_bytes"] == 1024 << 20
     off = settings_from_args(parser.parse_args(["serve", "--no-prefix-reuse", "--host-cache-mib", "0.5"]))
     assert off.engine_fields()["prefix_cache"] is False and off.engine_fields()["host_cache_bytes"] == 1 << 19
+    # lookahead: on unless --no-lookahead, and it reaches the engine's config
+    assert on.engine_fields()["lookahead"] is True and off.engine_fields()["lookahead"] is True
+    no_ahead = settings_from_args(parser.parse_args(["serve", "--no-lookahead"]))
+    assert no_ahead.engine_fields()["lookahead"] is False
 
 
 @pytest.mark.parametrize("flags, expected", [([], "f32"), (["--activations", "q8"], "q8")])

@@ -82,6 +82,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="prompt tokens per engine step, so long prompts never stall streams (default: 512)")
     group.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                        help="never reuse the KV of earlier requests' shared prompt prefixes (default: reuse)")
+    group.add_argument("--no-lookahead", dest="lookahead", action="store_false",
+                       help="read each decode step's tokens before submitting the next (default: on a GPU, "
+                            "step N + 1 is queued, fed on the device, before step N's tokens are read)")
     group.add_argument("--host-cache-mib", type=_non_negative_float, default=1024.0, metavar="MIB",
                        help="host memory for prefix-cache pages demoted off the device under pressure; "
                             "0 = drop them instead (default: 1024)")
@@ -115,7 +118,8 @@ def settings_from_args(args: argparse.Namespace):
         activations=args.activations,
         max_concurrency=args.max_concurrency, max_pending_requests=args.max_pending_requests,
         pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk,
-        prefix_reuse=args.prefix_reuse, host_cache_mib=args.host_cache_mib, api_keys=tuple(dict.fromkeys(keys)),
+        prefix_reuse=args.prefix_reuse, lookahead=args.lookahead, host_cache_mib=args.host_cache_mib,
+        api_keys=tuple(dict.fromkeys(keys)),
         default_max_tokens=args.default_max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_request_mib=args.max_request_mib, log_level=args.log_level,

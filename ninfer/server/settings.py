@@ -44,6 +44,7 @@ class ServerSettings:
     pending_timeout_ms: int = 60_000
     prefill_chunk: int = 512
     prefix_reuse: bool = True  # reuse computed KV of shared prompt prefixes (docs/scheduling.md)
+    lookahead: bool = True  # submit decode steps one ahead on a pipelined (CUDA) runner (docs/scheduling.md)
     host_cache_mib: float = 1024.0  # host memory for prefix-cache pages demoted off the device
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)  # empty: no authentication
     default_max_tokens: int | None = None  # None: up to the context limit
@@ -75,6 +76,7 @@ class ServerSettings:
         self._check_limits()
         self._check_keys()
         _check(isinstance(self.prefix_reuse, bool), f"prefix_reuse must be true or false, got {self.prefix_reuse!r}")
+        _check(isinstance(self.lookahead, bool), f"lookahead must be true or false, got {self.lookahead!r}")
         _check(math.isfinite(self.host_cache_mib) and self.host_cache_mib >= 0,
                f"--host-cache-mib must be a finite number >= 0, got {self.host_cache_mib}")  # fmt: skip
         _check(math.isfinite(self.max_request_mib) and self.max_request_mib > 0,
@@ -128,6 +130,7 @@ class ServerSettings:
             "max_concurrency": self.max_concurrency, "max_pending": self.max_pending_requests,
             "pending_timeout_s": self.pending_timeout_ms / 1000.0, "prefill_chunk": self.prefill_chunk,
             "prefix_cache": self.prefix_reuse, "host_cache_bytes": int(self.host_cache_mib * MIB),
+            "lookahead": self.lookahead,
         }  # fmt: skip
 
 
