@@ -223,3 +223,34 @@ def test_step_weight_bytes_leave_out_the_embedding_table_unless_it_is_the_head(t
     runner = ReferenceRunner((spec, weights), num_pages=8, page_size=4)
     table = spec.vocab_size * spec.d_model * 4  # float32
     assert runner.step_weight_nbytes == runner.weight_nbytes - (0 if tied else table)
+
+
+def test_feed_continues_the_step_before_or_says_why_not():
+    """submit(feed=True) takes each row's token from the step before's sample (after `step` or
+    `submit`): the logits equal a host-fed step's; rows that do not continue it are refused."""
+    model = random_model()
+    runner = ReferenceRunner(model, num_pages=8, page_size=4)
+    table = np.arange(4, dtype=np.int32)
+    prompt = StepRow(seq_id=0, token_ids=np.array(PROMPT, dtype=np.int32), start_pos=0, page_table=table,
+                     sample=sample_spec())  # fmt: skip
+    (first,) = runner.step([prompt])
+    nxt = StepRow(seq_id=0, token_ids=np.zeros(1, np.int32), start_pos=len(PROMPT), page_table=table,
+                  sample=sample_spec(index=1))  # fmt: skip
+    (fed,) = runner.collect(runner.submit([nxt], feed=True))
+    host = ReferenceRunner(model, num_pages=8, page_size=4)
+    host.step([prompt])
+    (want,) = host.step([attrs.evolve(nxt, token_ids=np.array([first.token_id], np.int32))])
+    np.testing.assert_array_equal(fed.logits, want.logits)
+    bad = {
+        "no sample": (attrs.evolve(prompt, sample=None), nxt),
+        "position": (prompt, attrs.evolve(nxt, start_pos=len(PROMPT) + 1)),
+        "sequence": (prompt, attrs.evolve(nxt, seq_id=1)),
+        "tokens": (prompt, attrs.evolve(nxt, token_ids=np.zeros(2, np.int32))),
+    }
+    for before, after in bad.values():
+        runner = ReferenceRunner(model, num_pages=8, page_size=4)
+        runner.step([before])
+        with pytest.raises(ValueError, match="feed needs"):
+            runner.submit([after], feed=True)
+    with pytest.raises(ValueError, match="feed needs a step submitted before it"):
+        ReferenceRunner(model, num_pages=8, page_size=4).submit([nxt], feed=True)

@@ -109,8 +109,8 @@ class ReferenceRunner(SyncSubmit):
 
     # -- the forward ---------------------------------------------------------------------
 
-    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
-        """Run one forward over the batch; one result per row, None where row.sample is None."""
+    def _step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """One forward over the batch (`step`, through SyncSubmit); one result per row."""
         if not rows:
             return []
         batch = self._plan(rows)

@@ -137,19 +137,23 @@ def check_feed(previous: Sequence[StepRow] | None, rows: Sequence[StepRow]) -> N
 
 
 class SyncSubmit:
-    """`submit` / `collect` for runners that compute inside `step` (nothing runs behind the
-    caller's back, so submitting ahead saves nothing: `pipelined` is False unless set, which
-    tests do to run the scheduler's pipelined path on them)."""
+    """`step` / `submit` / `collect` for runners that compute synchronously in `_step(rows)`
+    (nothing runs behind the caller's back, so submitting ahead saves nothing: `pipelined` is
+    False unless set, which tests do to run the scheduler's pipelined path on them)."""
 
     pipelined = False
-    _last: tuple | None = None  # (rows, results) of the last submitted step
+    _last: tuple | None = None  # (rows, results) of the last step, for `feed`
+
+    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """Run one forward over the batch; one result per row, None where row.sample is None."""
+        return self.collect(self.submit(rows))
 
     def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
         if feed:
             check_feed(self._last[0] if self._last else None, rows)
             rows = [attrs.evolve(row, token_ids=np.array([tok.token_id], np.int32))
                     for row, tok in zip(rows, self._last[1], strict=True)]  # fmt: skip
-        results = self.step(rows)
+        results = self._step(rows)
         self._last = (rows, results)
         return Pending(rows, results)
 

@@ -82,10 +82,14 @@ class FakeRunner(SyncSubmit):
         cost, self.pending_cost_s = self.pending_cost_s, 0.0
         return cost
 
-    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+    def _step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
         if self._fail_at_step is not None and len(self.steps) == self._fail_at_step:
             raise RuntimeError("injected runner failure")
         _check_distinct_pages(rows, self.page_size)
+        for row in rows:
+            if row.start_pos + len(row.token_ids) > self.spec.max_context:
+                raise AssertionError(f"row {row.seq_id} reaches position {row.start_pos + len(row.token_ids) - 1}, "
+                                     f"past the context of {self.spec.max_context}")  # fmt: skip
         self.steps.append(StepLog(tuple(_log_row(row) for row in rows)))
         self.pending_cost_s += self.cost.step_cost_s(rows)
         for row in rows:

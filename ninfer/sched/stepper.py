@@ -10,7 +10,9 @@ samples, on the device) before it collects step N, so the GPU runs N + 1 while t
 out N's tokens. It stops looking ahead as soon as the plan could differ (a request queued
 with a lane free, a request paused, cancelled or finished, a grammar or penalties, a sequence at its last token, no free
 page); the step in flight is then collected and committed like any other, its tokens dropped
-for sequences that ended meanwhile (their KV past the end is never read).
+for sequences that ended meanwhile (the K/V it writes for them, the right K/V of their last
+token, lies past what they or the prefix cache count as computed; later users of those pages
+are queued behind it on the stream).
 """
 
 from __future__ import annotations
