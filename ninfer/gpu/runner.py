@@ -120,6 +120,17 @@ class Pending:
     state: object = None  # the runner's own: the launched sub-steps, or a synchronous runner's results
 
 
+def next_position(row: StepRow) -> int:
+    """Position of the token a row samples: its sequence's next input."""
+    return row.start_pos + len(row.token_ids)
+
+
+def with_tokens(rows: Sequence[StepRow], sampled: Sequence[SampledToken]) -> list[StepRow]:
+    """Fed rows made host-fed: each row's one token is the matching sampled token."""
+    return [attrs.evolve(row, token_ids=np.array([tok.token_id], np.int32))
+            for row, tok in zip(rows, sampled, strict=True)]  # fmt: skip
+
+
 def check_feed(previous: Sequence[StepRow] | None, rows: Sequence[StepRow]) -> None:
     """Raise ValueError unless `rows` can take their tokens from the samples of `previous` (the
     step submitted just before): the same sequences in the same order, each sampled there,
@@ -131,9 +142,8 @@ def check_feed(previous: Sequence[StepRow] | None, rows: Sequence[StepRow]) -> N
     for prev, row in zip(previous, rows, strict=True):
         if prev.sample is None or row.seq_id != prev.seq_id or len(row.token_ids) != 1:
             raise ValueError(f"sequence {row.seq_id}: feed needs one token per row, sampled by the step before")
-        if row.start_pos != prev.start_pos + len(prev.token_ids):
-            raise ValueError(f"sequence {row.seq_id}: feed needs position {prev.start_pos + len(prev.token_ids)}, "
-                             f"got {row.start_pos}")  # fmt: skip
+        if row.start_pos != next_position(prev):
+            raise ValueError(f"sequence {row.seq_id}: feed needs position {next_position(prev)}, got {row.start_pos}")
 
 
 class SyncSubmit:
@@ -151,8 +161,7 @@ class SyncSubmit:
     def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
         if feed:
             check_feed(self._last[0] if self._last else None, rows)
-            rows = [attrs.evolve(row, token_ids=np.array([tok.token_id], np.int32))
-                    for row, tok in zip(rows, self._last[1], strict=True)]  # fmt: skip
+            rows = with_tokens(rows, self._last[1])
         results = self._step(rows)
         self._last = (rows, results)
         return Pending(rows, results)

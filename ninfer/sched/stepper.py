@@ -5,14 +5,14 @@ plan (reclaim, pause, resume, admit), run one batched forward off the event loop
 sampled tokens to their lanes and wait until every lane has taken its token.
 
 Lookahead (a pipelined runner, `EngineConfig.lookahead`): while the running set only decodes
-and nothing could be admitted or resumed, the step task submits step N + 1 with `feed` (its tokens are step N's
-samples, on the device) before it collects step N, so the GPU runs N + 1 while the host hands
-out N's tokens. It stops looking ahead as soon as the plan could differ (a request queued
-with a lane free, a request paused, cancelled or finished, a grammar or penalties, a sequence at its last token, no free
-page); the step in flight is then collected and committed like any other, its tokens dropped
-for sequences that ended meanwhile (the K/V it writes for them, the right K/V of their last
-token, lies past what they or the prefix cache count as computed; later users of those pages
-are queued behind it on the stream).
+and nothing could be admitted or resumed, the step task submits step N + 1 with `feed` (its
+tokens are step N's samples, on the device) before it collects step N, so the GPU runs N + 1
+while the host hands out N's tokens. It stops looking ahead as soon as the plan could differ
+(a request queued with a lane free, a request paused, cancelled or finished, a grammar or
+penalties, a sequence at its last token, no free page); the step in flight is then collected
+and committed like any other, its tokens dropped for sequences that ended meanwhile (the K/V
+it writes for them, the right K/V of their last token, lies past what they or the prefix
+cache count as computed; later users of those pages are queued behind it on the stream).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import trio
 
 import attrs
 
-from ninfer.gpu.runner import Runner, SampleSpec, StepRow
+from ninfer.gpu.runner import Runner, SampleSpec, StepRow, next_position
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
 from ninfer.sched.planner import StepPlan, split_expired
 from ninfer.sched.prefix_hook import detach
@@ -255,20 +255,20 @@ class Stepper:
             if request.constraint is not None or request.sampling.has_penalties:
                 return None  # the next step's inputs depend on the token in flight
             # the in-flight token is the last one (length, context): nothing to look ahead for
-            if seq.num_output + 1 >= request.max_tokens or _next_pos(row) + 2 > self._max_context:
+            if seq.num_output + 1 >= request.max_tokens or next_position(row) + 2 > self._max_context:
                 return None
         page_size = self._limits.page_size
-        new_pages = sum(_next_pos(row) // page_size >= len(p.seq.pages) for p, row in zip(kept, rows, strict=True))
-        if new_pages > state.pool.num_free:
+        new_page = [next_position(row) // page_size >= len(p.seq.pages) for p, row in zip(kept, rows, strict=True)]
+        if sum(new_page) > state.pool.num_free:
             return None
         ahead_kept, ahead_rows = [], []
-        for planned_row, row in zip(kept, rows, strict=True):
+        for planned_row, row, needs_page in zip(kept, rows, new_page, strict=True):
             seq = planned_row.seq
-            if _next_pos(row) // page_size >= len(seq.pages):
+            if needs_page:
                 seq.pages += state.pool.allocate(1)
             ahead_kept.append(PlannedRow(seq=seq, num_tokens=1, num_new_pages=0, samples=True))
             ahead_rows.append(StepRow(
-                seq_id=seq.seq_id, token_ids=np.zeros(1, np.int32), start_pos=_next_pos(row),
+                seq_id=seq.seq_id, token_ids=np.zeros(1, np.int32), start_pos=next_position(row),
                 page_table=np.asarray(seq.pages, dtype=np.int32),
                 sample=attrs.evolve(row.sample, token_index=row.sample.token_index + 1),
             ))  # fmt: skip
@@ -333,11 +333,6 @@ class Stepper:
             if result is None:
                 raise RuntimeError(f"the runner sampled nothing for sequence {seq.seq_id}")
             self._state.deliver(seq, result)
-
-
-def _next_pos(row: StepRow) -> int:
-    """Position of the token a row samples (its sequence's next input)."""
-    return row.start_pos + len(row.token_ids)
 
 
 def expire_waiting(state: EngineState) -> None:

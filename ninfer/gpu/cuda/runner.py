@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
 from numba import cuda
 
@@ -27,7 +26,7 @@ from ninfer.gpu.cuda.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.staging import (
     Piece, Staged, download, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
 )
-from ninfer.gpu.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed
+from ninfer.gpu.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed, with_tokens
 
 
 # The step's input copies and the sampled tokens' copy back go inside the captured graph (one
@@ -154,9 +153,7 @@ class CudaRunner:
         batches = plan_pieces(rows, self.limits, self.page_size)
         if feed and (len(self._last.state) != 1 or len(batches) != 1):
             # the samples are not in one sub-step's outputs: take them through the host
-            tokens = [t.token_id for t in self.collect(self._last)]
-            rows = [attrs.evolve(row, token_ids=np.array([t], np.int32)) for row, t in zip(rows, tokens, strict=True)]
-            feed = False
+            rows, feed = with_tokens(rows, self.collect(self._last)), False
         self._last = Pending(rows, [self._launch(rows, batch, feed) for batch in batches])
         return self._last
 
