@@ -2,7 +2,7 @@
 # Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated among dmon, tune, ncu, profile, bench, bench8b, tests
+# STAGES: comma-separated among dmon, tune, ncu, timeline, profile, steps8b, bench, bench8b, tests
 #         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
@@ -45,10 +45,31 @@ if has ncu; then  # device time of every kernel of one captured decode step
   [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m ninfer.gpu.cuda.profile --random llama3-8b --ncu --streams 1 --activations $NACT > "$OUT/ncu_8b.csv" 2>&1
   tail -n 3 "$OUT"/ncu_*.csv
 fi
+if has timeline; then  # one 8B Q8_0 decode graph replay under Nsight Systems, kernel by kernel (if nsys is there)
+  NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -n 1)
+  if [ -n "$NSYS" ]; then
+    timeout ${TIMELINE_S:-200} "$NSYS" profile --cuda-graph-trace=node --capture-range=cudaProfilerApi -f true -o /tmp/step8b \
+      python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 --ncu --streams 1 \
+      > "$OUT/timeline.log" 2>&1
+    "$NSYS" stats --report cuda_gpu_trace --format csv --output /tmp/step8b /tmp/step8b.nsys-rep >> "$OUT/timeline.log" 2>&1
+    cp /tmp/step8b_cuda_gpu_trace.csv "$OUT/" 2>/dev/null
+    python3 scripts/timeline_summary.py /tmp/step8b_cuda_gpu_trace.csv 2>&1 | tee "$OUT/timeline.txt"
+  else
+    echo "timeline: no nsys on this machine" | tee "$OUT/timeline.txt"
+  fi
+fi
 if has profile; then
   MODEL_ARG=${NINFER_TEST_GGUF:-}
   timeout ${PROFILE_S:-90} python3 -m ninfer.gpu.cuda.profile $MODEL_ARG --streams 1,16,64 2>&1 | grep -v "uploading weights" | tee "$OUT/profile.txt"
   timeout ${PROFILE8B_S:-120} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --streams 1,16 --steps 10 2>&1 | grep -v "uploading weights" | tee -a "$OUT/profile.txt"
+fi
+if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch kind, then A/B variants
+  timeout ${STEPS8B_S:-400} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
+    --streams 1 --rounds 2 --steps 20 --remove qkv,attention,o,norm,gate_up,down,head \
+    --variant "split:gemv.ONE_ROW_SPLIT=True" --variant "wide22:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 2)}" \
+    --variant "wide24:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 4)}" --variant "rope_u4:gemv.ROPE_UNROLL=4" \
+    --variant "swiglu_u4:gemv.SWIGLU_UNROLL=4" --variant "split+rope_u4:gemv.ONE_ROW_SPLIT=True; gemv.ROPE_UNROLL=4" \
+    --json "$OUT/steps8b.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/steps8b.txt"
 fi
 if has bench; then
   if [ -n "${NINFER_TEST_GGUF:-}" ]; then

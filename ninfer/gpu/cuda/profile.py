@@ -3,10 +3,16 @@
     python -m ninfer.gpu.cuda.profile [MODEL.gguf] --streams 1,64 [--json FILE]
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
         python -m ninfer.gpu.cuda.profile --ncu --streams 1        # device time per kernel
+    python -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
+        --streams 1 --remove qkv,attention,o,norm,gate_up,down,head  # in-step cost by removal
 
 For each batch size: the wall time of `runner.step` and the device time of its captured
 decode graph alone (CUDA events around replays). Per-kernel times need a profiler: events
-around eager launches measure Python's launch latency, not the kernels.
+around eager launches measure Python's launch latency, not the kernels; and a profiler's
+per-kernel time is not what a kernel costs inside the step, where programmatic edges overlap
+its start with the kernel before. `--remove KINDS` measures that instead: the graph re-captured
+without one kind of launch at a time (the results are wrong, the timings are not), beside the
+whole graph, in the same process.
 """
 
 from __future__ import annotations
@@ -113,29 +119,111 @@ def _ncu_prefill(runner, prompt_len) -> int:
     return 0
 
 
+# --remove: what each kind of launch is, by the weights it reads (every GEMV flavour takes its
+# DeviceWeight first, but gemv_rope second) or by the Forward method that issues it
+REMOVABLE = ("qkv", "attention", "o", "norm", "gate_up", "down", "head")
+_GEMV_FNS = ("gemv", "gemv_rope", "gemv_swiglu", "gemv_fused", "gemv_norm")
+
+
+def _weights_of(model, kind: str) -> set[int]:
+    layers = model.layers
+    ws = {"qkv": [w for l in layers for w in l.wqkv], "o": [l.wo for l in layers],
+          "gate_up": [w for l in layers for w in l.w_gate_up], "down": [l.w_down for l in layers],
+          "head": [model.head]}[kind]  # fmt: skip
+    return {id(w) for w in ws}
+
+
+def _patchable():
+    """The functions variants may replace (removals, wrappers), and a function restoring them."""
+    from ninfer.gpu.cuda import forward, gemv
+
+    saved = [(gemv, n, getattr(gemv, n)) for n in _GEMV_FNS]
+    saved += [(forward.Forward, n, vars(forward.Forward)[n]) for n in ("_attention", "_norm")]
+
+    def restore():
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+    return restore
+
+
+def _remove(model, kind: str) -> None:
+    """Drop one kind of launch from every step built afterwards. Removing a GEMV that has a
+    fold drops the fold with it (QKV: RoPE / K-V write; gate+up: SwiGLU; a prologue fold: its
+    RMSNorm)."""
+    from ninfer.gpu.cuda import forward, gemv
+
+    if kind in ("attention", "norm"):
+        setattr(forward.Forward, f"_{kind}", lambda *a, **k: None)
+        return
+    drop = _weights_of(model, kind)
+    for name in _GEMV_FNS:
+        fn = getattr(gemv, name)
+
+        def skip(*args, _fn=fn, _w=1 if name == "gemv_rope" else 0, **kw):
+            return None if id(args[_w]) in drop else _fn(*args, **kw)
+
+        setattr(gemv, name, skip)
+
+
+def removal_variants(kinds: str) -> list[str]:
+    """--remove's variants: the whole graph, then one without each kind."""
+    names = [k for k in kinds.split(",") if k]
+    bad = [k for k in names if k not in REMOVABLE]
+    if bad:
+        raise SystemExit(f"--remove takes {', '.join(REMOVABLE)}; got {', '.join(bad)}")
+    return ["all:"] + [f"no {k}:remove({k!r})" for k in names]
+
+
 def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict]:
-    """Each variant's code runs over the modules' default switches (upper-case globals, restored
-    first), then the forward is rebuilt and every graph dropped, so the variant is captured anew."""
+    """Each variant's code runs over the modules' default switches (upper-case globals) and
+    functions (`_patchable`), both restored first; then the forward is rebuilt and every graph
+    dropped, so the variant is captured anew. The code may call remove(KIND) (REMOVABLE) or
+    wrap a GEMV function (e.g. `g = gemv.gemv; gemv.gemv = lambda w, *a, **k: g(w, *a, **k)`)."""
     from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, pdl, runner as runner_mod, sampler
 
     mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler,
             "runner": runner_mod, "pdl": pdl}  # fmt: skip
     defaults = {m: {k: v for k, v in vars(mod).items() if k.isupper()} for m, mod in mods.items()}
     results = []
+    restore = _patchable()
+
+    def remove(kind):
+        _remove(runner.forward.model, kind)
+
     for rnd in range(rounds):
         for v in variants:
             label, _, code = v.partition(":")
             for m, mod in mods.items():
                 vars(mod).update(defaults[m])
-            exec(code, dict(mods))
+            restore()
+            exec(code, {**mods, "remove": remove})
             runner.forward = runner.forward.rebuilt()
-            runner._graphs.close()
+            if runner._graphs is not None:
+                runner._graphs.close()
             for s in streams:
-                results.append({"variant": f"{label} (round {rnd + 1}) ", **profile_streams(runner, s, prompt_len, steps)})
-                r = results[-1]
-                print(f"{r['variant']}streams {s}: step wall {r['wall_ms']:.4f} ms, graph on GPU {r['graph_gpu_ms']:.4f} ms "
-                      f"({r['graph_nodes']} nodes, {r['programmatic_edges']} programmatic edges)", flush=True)  # fmt: skip
+                r = {"variant": label, "round": rnd + 1, **profile_streams(runner, s, prompt_len, steps)}
+                results.append(r)
+                print(f"{label} (round {rnd + 1}) streams {s}: step wall {r['wall_ms']:.4f} ms, graph on GPU "
+                      f"{_ms(r['graph_gpu_ms'])} ({r['graph_nodes']} nodes, {r['programmatic_edges']} programmatic edges)",
+                      flush=True)  # fmt: skip
+    restore()
+    _print_removals(results)
     return results
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.4f} ms"
+
+
+def _print_removals(results) -> None:
+    """Each removal variant's graph time against the whole graph's of the same round and batch."""
+    whole = {(r["round"], r["streams"]): r["graph_gpu_ms"] for r in results if r["variant"] == "all"}
+    for r in results:
+        base = whole.get((r["round"], r["streams"]))
+        if r["variant"].startswith("no ") and base is not None and r["graph_gpu_ms"] is not None:
+            print(f"{r['variant']:>14} (round {r['round']}) streams {r['streams']}: "
+                  f"{1e3 * (base - r['graph_gpu_ms']):8.1f} us a step in the graph")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -151,12 +239,16 @@ def main(argv=None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="LABEL:PYTHON",
                    help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner, pdl) "
                         "over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=2, help="with --variant: passes over the variants")
+    p.add_argument("--remove", default="", metavar="KINDS",
+                   help=f"in-step cost by removal: variants without each of these launch kinds ({','.join(REMOVABLE)}) "
+                        "beside the whole graph (results wrong, timings not)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2, help="with --variant / --remove: passes over the variants")
     p.add_argument("--ncu", action="store_true", help="under `ncu --profile-from-start off`: after warm-up, "
                    "replay each stream count's decode graph once between cuProfilerStart / Stop")  # fmt: skip
     p.add_argument("--prefill", type=int, default=0, help="with --ncu: profile one prefill of this many tokens "
                    "instead of the decode graphs")  # fmt: skip
     args = p.parse_args(argv)
+    variants = (removal_variants(args.remove) if args.remove else []) + args.variant
     from ninfer.gpu.cuda.random_model import random_model, random_spec
     from ninfer.gpu.cuda.runner import CudaRunner
 
@@ -173,8 +265,8 @@ def main(argv=None) -> int:
         return _ncu_prefill(runner, args.prefill)
     if args.ncu:
         return _ncu_replays(runner, streams, args.prompt)
-    if args.variant:  # each variant's line is printed as it finishes
-        results = _variants(runner, args.variant, streams, args.prompt, args.steps, args.rounds)
+    if variants:  # each variant's line is printed as it finishes
+        results = _variants(runner, variants, streams, args.prompt, args.steps, args.rounds)
     else:
         results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
         for r in results:
