@@ -50,7 +50,7 @@ def _make_fdot(dq):
 
 
 def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int = 1, unroll: int = 0,
-              prefetch: bool = False):
+              prefetch: bool = False, split: bool = False):
     """The plain Python kernel (compile with cuda.jit or cuda.compile_ptx).
 
     A group of `lanes` threads owns `rows_per_group` (R) consecutive weight rows; lane `sub`
@@ -61,6 +61,8 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int
     repeat the last one instead of branching (their sums are never stored). A block covers
     activation rows 8 * blockIdx.x .. + max_m (max_m <= 8 accumulators stay in registers);
     neighbouring blocks share weight rows, so extra row groups re-read weights from L2.
+    `split` (q8, one activation row, Q4_0 / Q4_1 / Q8_0): one weight row per group through
+    the split loop too, whose first weight loads are issued before the PDL wait.
     """
     q8 = mode == "q8"
     wdot = WDOT[qtype] if q8 else None
@@ -137,7 +139,7 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int
                     v += res[0, row]
                 out[0, row] = v
 
-    if R == 1:
+    if R == 1 and not (split and q8 and max_m == 1 and qtype in WLOAD):
         return gemv
     return _make_gemv_split(qtype, lanes, R, unroll, prefetch) if qtype in WLOAD else gemv_rows
 
@@ -667,8 +669,8 @@ def gemv_fused_ref(w_f32, src, norm_w, eps, res, prologue: str):
 
 @functools.cache
 def gemv_kernel(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int = 1, unroll: int = 0,
-                prefetch: bool = False):
-    return cuda.jit(make_gemv(qtype, mode, lanes, max_m, rows_per_group, unroll, prefetch))
+                prefetch: bool = False, split: bool = False):
+    return cuda.jit(make_gemv(qtype, mode, lanes, max_m, rows_per_group, unroll, prefetch, split))
 
 
 def shape_for(qtype: str, mode: str, num_blocks: int, num_m: int, rows: int = 0) -> tuple[int, int, int, bool]:
@@ -692,6 +694,13 @@ TALL_ROWS = 65536  # from this many rows up, one row per lane group
 # (2026-12-03, fourth session), the least time over the four 8B linears together
 WIDE_BLOCKS = 128
 WIDE_SHAPE = {"Q4_0": (2, 2), "Q4_1": (2, 2), "Q8_0": (1, 4)}
+# One weight row per lane group (Q8_0's wide shape, the tall LM head) through the split loop,
+# which issues an iteration's weight loads before the PDL wait (`make_gemv` split): with (1, 4)
+# a lane's whole share of an 8B O row loads while the attention before it runs. The plain
+# kernel (False) waits first; WIDE_SHAPE was timed on single kernels, before PDL, where the
+# wait costs nothing. Unmeasured in the step (no GPU in the ninth session): A/B it with
+# `profile --variant "split:gemv.ONE_ROW_SPLIT=True"` before turning it on.
+ONE_ROW_SPLIT = False
 
 
 def lanes_for(num_blocks: int) -> int:
@@ -713,12 +722,12 @@ def bucket_m(num_m: int) -> int:
 
 
 def gemv(w, xa, xs, out, res, num_m: int, mode: str, stream=0, lanes: int | None = None, shape=None,
-         prefetch: bool | None = None) -> None:
+         prefetch: bool | None = None, split: bool | None = None) -> None:
     """out[:num_m] = xa[:num_m] @ w.T (+ res); `w` a DeviceWeight; mode 'q8' or 'f32'.
 
     q8: xa is the uint32 view of the int8 activations and xs their scales; f32: xa is float32
     [M, cols] and xs is ignored. `res` None means no residual. `shape` = (rows per lane group,
-    unroll) and `prefetch` override `shape_for` (tests, tuning).
+    unroll), `prefetch` and `split` (ONE_ROW_SPLIT) override `shape_for` (tests, tuning).
     """
     if mode == "q8" and w.qtype in FLOAT_QTYPES:
         raise ValueError(f"{w.qtype} weights have no int8 path; use mode 'f32'")
@@ -728,9 +737,10 @@ def gemv(w, xa, xs, out, res, num_m: int, mode: str, stream=0, lanes: int | None
     if prefetch is not None:
         pf = prefetch
     lanes = lanes or auto_lanes
+    split = (ONE_ROW_SPLIT if split is None else split) and rpg == 1  # rpg > 1 takes it anyway
     rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
     grid = (-(-num_m // MGROUP), (w.rows + rows_per_block - 1) // rows_per_block)
-    kernel = gemv_kernel(w.qtype, mode, lanes, bucket_m(num_m), rpg, unroll, pf)
+    kernel = gemv_kernel(w.qtype, mode, lanes, bucket_m(num_m), rpg, unroll, pf, split)
     has_res = res is not None
     kernel[grid, THREADS, stream](*w.planes, xa, xs, out, res if has_res else out, w.rows, w.num_blocks, num_m, has_res)
 
@@ -764,6 +774,9 @@ def ptx_cases():
                 for lanes, rpg, unroll in ((32, *ONE_ROW_SHAPE), (16, 2, 4), (32, 4, 2), (32, 2, 2)):
                     name = f"gemv_q8_{qtype}_l{lanes}_m1_r{rpg}_u{unroll}"
                     cases.append((name, make_gemv(qtype, mode, lanes, 1, rpg, unroll, True), sig))
+                if qtype in WLOAD:  # ONE_ROW_SPLIT
+                    cases.append((f"gemv_q8_{qtype}_l32_m1_r1_u4_split", make_gemv(qtype, mode, 32, 1, 1, 4, split=True),
+                                  sig))  # fmt: skip
                 cases.append((f"gemv_q8_{qtype}_l8_m8_pf", make_gemv(qtype, mode, 8, 8, 1, 0, True), sig))
                 cases.append((f"gemv_q8_{qtype}_l32_m1_u8_pf", make_gemv(qtype, mode, 32, 1, 1, 8, True), sig))
     f2 = types.float32[:, ::1]

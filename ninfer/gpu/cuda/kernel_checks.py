@@ -23,6 +23,7 @@ from ninfer.gpu.cuda import (
 )
 from ninfer.gpu.cuda.device_weights import host_weight, upload_weight
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.qdot import WLOAD
 from ninfer.gpu.cuda.quant_layout import DEVICE_QTYPES, pack_tensor, random_stored
 from ninfer.models.spec import ModelSpec
 
@@ -86,7 +87,7 @@ def check_embed(scale, rng):
 # -- linears ----------------------------------------------------------------------------------
 
 
-def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny, shape=None):
+def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny, shape=None, split=None):
     cols = _cols(q, tiny)
     t = random_stored(q, rows, cols, rng)
     x = rng.standard_normal((num_m, cols)).astype(np.float32)
@@ -96,12 +97,12 @@ def _gemv_case(q, mode, lanes, num_m, rows, rng, tiny, shape=None):
     if mode == "q8":
         xq, xs = act_quant.quantize_q8_ref(x)
         gemv.gemv(w, _dev(xq.view(np.uint32)), _dev(xs), out, _dev(res), num_m, "q8", lanes=lanes, shape=shape,
-                  prefetch=shape is not None)
+                  prefetch=shape is not None, split=split)  # fmt: skip
         want = gemv.gemv_q8_ref(t.dequantize(), xq, xs, res)
     else:
         gemv.gemv(w, _dev(x), _dev(np.zeros((1, 1), np.float32)), out, None, num_m, "f32", lanes=lanes)
         want = gemv.gemv_ref(t.dequantize(), x, None)
-    _close(out.copy_to_host(), want, 2e-5, f"gemv {mode} {q} lanes {lanes} m {num_m} shape {shape}")
+    _close(out.copy_to_host(), want, 2e-5, f"gemv {mode} {q} lanes {lanes} m {num_m} shape {shape} split {split}")
 
 
 def check_gemv_q8(scale, rng):
@@ -113,6 +114,8 @@ def check_gemv_q8(scale, rng):
         # one activation row, several weight rows per lane group (row count not a multiple)
         for lanes, shape in ((((8, 16, 32)[i % 3], (2, 4)),) if tiny else ((32, (2, 4)), (16, (2, 4)), (32, (4, 2)), (32, (2, 8)))):
             _gemv_case(q, "q8", lanes, 1, 5 if tiny else 3001, rng, tiny, shape)
+        if q in WLOAD:  # one weight row per group through the split loop (gemv.ONE_ROW_SPLIT)
+            _gemv_case(q, "q8", 32 if not tiny else (8, 16, 32)[i % 3], 1, 5 if tiny else 3001, rng, tiny, (1, 4), True)
 
 
 def check_gemv_fused(scale, rng):
