@@ -311,11 +311,12 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
     @aware
     def attn_combine(o_part, ml_part, seq_lens, out, xs):
         grid_dep_launch()
-        grid_dep_wait()
         b = cuda.blockIdx.x
         h = cuda.blockIdx.y
         e = cuda.threadIdx.x
-        ns = (seq_lens[b] + split_len - 1) // split_len
+        n = seq_lens[b]  # a step input (no kernel writes it): read before the PDL wait
+        grid_dep_wait()
+        ns = (n + split_len - 1) // split_len
         v = _merge_plain(o_part, ml_part, b, h, e, ns)
         col = h * head_dim + e
         if mode == "f32":

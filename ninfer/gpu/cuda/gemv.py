@@ -328,20 +328,22 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
         ea, eb = pair_elems(i, half, interleaved)
         num_pairs = (num_heads + 2 * num_kv_heads) * half
         row_a = j * head_dim + ea
+        lead = sub == 0 and p < num_pairs
+        # the epilogue's step inputs and bias (no kernel's outputs) are requested before the PDL
+        # wait in `sums`, so they are not DRAM round trips after it; cos / sin follow pos, later
+        page = tok_page[0]
+        slot = tok_slot[0]
+        pos = tok_pos[0]
+        ba = bias[row_a] if has_bias and lead else float32(0.0)
+        bb = bias[row_a + stride] if has_bias and lead else float32(0.0)
         a, b = sums(qs, d16, xa, xs, row_a, stride, 2 * num_pairs - 1, sub, num_blocks, p < num_pairs)
-        if sub == 0 and p < num_pairs:
+        if lead:
             r = norm_factor(nsum, nslot, 32 * num_blocks, eps)
-            a *= r
-            b *= r
-            if has_bias:
-                a += bias[row_a]
-                b += bias[row_a + stride]
-            page = tok_page[0]
-            slot = tok_slot[0]
+            a = a * r + ba
+            b = b * r + bb
             if j >= num_heads + num_kv_heads:
                 store_pair(v_cache, page, slot, j - num_heads - num_kv_heads, ea, eb, a, b)
             else:
-                pos = tok_pos[0]
                 c = cos[pos, i]
                 sn = sin[pos, i]
                 ra = a * c - b * sn

@@ -41,12 +41,17 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
     @aware
     def rmsnorm(x, res, w, eps, rows, out, xs, has_res, has_rows):
         grid_dep_launch()
-        grid_dep_wait()
         i = cuda.blockIdx.x
         tid = cuda.threadIdx.x
+        d = x.shape[1]
+        wv = cuda.local.array(n, float32)
+        for c in range(chunks):  # the weight is no kernel's output: requested before the PDL wait
+            col = 4 * (tid + threads * c)
+            for k in range(4):
+                wv[4 * c + k] = w[col + k] if col < d else float32(0.0)
+        grid_dep_wait()
         scratch = cuda.shared.array(33, float32)
         src = rows[i] if has_rows else i
-        d = x.shape[1]
         vals = cuda.local.array(n, float32)
         ss = float32(0.0)
         for c in range(chunks):
@@ -75,7 +80,7 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
             col = 4 * (tid + threads * c)
             valid = col < d
             for k in range(4):
-                vals[4 * c + k] = vals[4 * c + k] * r * (w[col + k] if valid else float32(0.0))
+                vals[4 * c + k] = vals[4 * c + k] * r * wv[4 * c + k]
             if mode == "f32":
                 if valid:
                     for k in range(4):

@@ -4,8 +4,10 @@ Between two dependent kernels a graph normally waits for the first to finish and
 the second is even launched: a few microseconds a kernel boundary, which the one-stream decode
 step (8 kernels a layer, most of them short) pays some 260 times. A *programmatic* edge lets
 the second grid launch as soon as every block of the first has run `grid_dep_launch`; its
-blocks then do what does not depend on the first (page ids, the first weight loads of a GEMV)
-and block in `grid_dep_wait` until the first has completed and its writes are visible.
+blocks then load what no kernel writes (step inputs such as page ids and positions, weights:
+a GEMV's first weight loads, a norm's weight) and block in `grid_dep_wait` until the first
+has completed and its writes are visible. Anything loaded after the wait is a serial round
+trip in the step's chain of kernels, so whatever can be requested before it should be.
 
 Capture records ordinary edges; `graphs.GraphCache` turns a kernel-to-kernel edge into a
 programmatic one when the dependent kernel is *aware*: its Python function is decorated with

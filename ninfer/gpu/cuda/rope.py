@@ -81,25 +81,28 @@ def make_qkv_post(head_dim: int, interleaved: bool = False):
     def qkv_post(qkv, bias, q_norm, k_norm, cos, sin, tok_pos, tok_page, tok_slot, q_out, k_cache, v_cache,
                  eps, num_heads, num_kv_heads, has_bias, has_qk_norm):  # fmt: skip
         grid_dep_launch()
-        grid_dep_wait()
         t = cuda.blockIdx.x
         j = cuda.blockIdx.y
         i = cuda.threadIdx.x
-        scratch = cuda.shared.array(33, float32)
         col0 = j * head_dim
         ea, eb = pair_elems(i, half, interleaved)
-        xa, xb = load_pair(qkv, bias, t, col0, ea, eb, has_bias)
+        # step inputs, norm weights and RoPE tables (no kernel writes them): before the PDL wait
         page = tok_page[t]
         slot = tok_slot[t]
+        pos = tok_pos[t]
+        wa, wb = norm_weights(q_norm if j < num_heads else k_norm, ea, eb, has_qk_norm)
+        c = cos[pos, i]
+        sn = sin[pos, i]
+        grid_dep_wait()
+        scratch = cuda.shared.array(33, float32)
+        xa, xb = load_pair(qkv, bias, t, col0, ea, eb, has_bias)
         if j >= num_heads + num_kv_heads:  # a V head: stored as is
             store_pair(v_cache, page, slot, j - num_heads - num_kv_heads, ea, eb, xa, xb)
             return
         r = float32(1.0)
         if has_qk_norm:
             r = rms_inv(block_sum(xa * xa + xb * xb, scratch), head_dim, eps)
-        wa, wb = norm_weights(q_norm if j < num_heads else k_norm, ea, eb, has_qk_norm)
-        pos = tok_pos[t]
-        ra, rb = norm_rotate(xa, xb, r, wa, wb, cos[pos, i], sin[pos, i])
+        ra, rb = norm_rotate(xa, xb, r, wa, wb, c, sn)
         if j < num_heads:
             q_out[t, col0 + ea] = ra
             q_out[t, col0 + eb] = rb

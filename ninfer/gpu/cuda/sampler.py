@@ -188,15 +188,15 @@ def make_sampler(threads: int = THREADS):
     @aware
     def sample_rows(logits, scores, fpar, ipar, seeds, pen_ids, pen_counts, masks, out_tok, out_lp, top_ids, top_lp):
         grid_dep_launch()
-        grid_dep_wait()
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         vocab = logits.shape[1]
-        fs = cuda.shared.array(33, float32)
-        us = cuda.shared.array(33, types.uint64)
-        temp = fpar[r, 0]
+        temp = fpar[r, 0]  # the row's parameters are step inputs (no kernel writes them): before the PDL wait
         has_mask = ipar[r, 2] != 0
         plain = not has_mask and ipar[r, 3] == ipar[r, 4]  # no mask, no penalty: scores = logits
+        grid_dep_wait()
+        fs = cuda.shared.array(33, float32)
+        us = cuda.shared.array(33, types.uint64)
         # 1. raw log-softmax statistics (and, when plain, the arg-max on the way): one pass
         mx, s, best = logit_stats(logits, r, threads, plain)
         big = block_max(mx, fs)
