@@ -66,9 +66,11 @@ fi
 if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch kind, then A/B variants
   timeout ${STEPS8B_S:-400} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
     --streams 1 --rounds 2 --steps 20 --remove qkv,attention,o,norm,gate_up,down,head \
-    --variant "split:gemv.ONE_ROW_SPLIT=True" --variant "wide22:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 2)}" \
+    --variant "split:gemv.ONE_ROW_SPLIT=True" \
+    --variant "split12:gemv.ONE_ROW_SPLIT=True; gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (1, 2)}" --variant "wide22:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 2)}" \
     --variant "wide24:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 4)}" --variant "rope_u4:gemv.ROPE_UNROLL=4" \
-    --variant "swiglu_u4:gemv.SWIGLU_UNROLL=4" --variant "split+rope_u4:gemv.ONE_ROW_SPLIT=True; gemv.ROPE_UNROLL=4" \
+    --variant "swiglu_u4:gemv.SWIGLU_UNROLL=4" --variant "fold_ffn:forward.FOLD_FFN_NORM=True" \
+    --variant "split+rope_u4+fold:gemv.ONE_ROW_SPLIT=True; gemv.ROPE_UNROLL=4; forward.FOLD_FFN_NORM=True" \
     --json "$OUT/steps8b.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/steps8b.txt"
 fi
 if has bench; then

@@ -17,7 +17,8 @@ instead (EPILOGUES: gemv.gemv_rope does bias / RoPE / K-V write, gemv.gemv_swigl
 and up rows): two kernels fewer. Two more folds are there, measured neutral or slower on the
 8B step and off by default: the split decode attention merging its splits itself
 (MERGE_IN_ATTENTION) and the O / down GEMVs writing the next RMSNorm's int8 input (NORM_OUT,
-gemv.gemv_norm).
+gemv.gemv_norm); and one unmeasured, off: the RMSNorm before gate+up built by each
+gemv_swiglu block itself (FOLD_FFN_NORM).
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ EPILOGUES = ("qkv_rope", "gate_swiglu")
 # saves (~4 us each) go into the GEMVs, whose blocks must own 32 whole rows (one int8 block),
 # so O / down run 128 blocks of 1,024 threads instead of 1,024 of 128. Off; checked (runner).
 NORM_OUT = False
+# with the gate_swiglu epilogue and without NORM_OUT: the RMSNorm before gate+up folded into
+# it, each gemv_swiglu block building its int8 input from x in shared memory (gemv.py
+# `_make_folded_sums`): one launch fewer a layer for 16 KB of x (+ the weight) read from L2
+# by each of the 8B's 448 blocks (~0.1 byte a weight byte; QKV's 768 blocks would read ~1).
+# Unmeasured (no GPU in the ninth session): A/B it (scripts/device_run.sh steps8b).
+FOLD_FFN_NORM = False
 
 
 class Forward:
@@ -97,6 +104,7 @@ class Forward:
         self.can_norm_out = (bufs.xq8.shape[0] >= 3 and spec.d_model % gemv.NORM_GROUPS == 0
                              and all(w.qtype in WLOAD for l in model.layers for w in (l.wo, l.w_down)))  # fmt: skip
         self.norm_out = NORM_OUT
+        self.fold_ffn_norm = FOLD_FFN_NORM and spec.d_model % 32 == 0 and spec.d_model <= gemv.FUSE_MAX_COLS
         # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
@@ -151,11 +159,13 @@ class Forward:
             if "ffn_norm" in folds:
                 self._fused(layer.w_gate_up, b.x, ffn_norm, b.gate_up, None, "norm", stream)
             else:
-                if not norm_out:
+                fold_norm = one and self.ffn_norm_folded
+                if not (norm_out or fold_norm):
                     self._norm(layer.ffn_norm, t, act, stream)
                 if "gate_swiglu" in epi:  # h's int8 blocks into row h_row
                     gemv.gemv_swiglu(layer.w_gate_up[0], *self._row(ffn_in, 32), *self._row(h_row), stream,
-                                     norm=self._norm_slot(2 * i) if norm_out else None)  # fmt: skip
+                                     norm=self._norm_slot(2 * i) if norm_out else None,
+                                     fold=(b.x, ffn_norm, self.spec.rms_eps) if fold_norm else None)  # fmt: skip
                 else:
                     self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
             if "swiglu" in folds:
@@ -176,6 +186,12 @@ class Forward:
     def norm_out_taken(self) -> bool:
         """Whether one-token q8 steps take NORM_OUT: it needs both epilogue folds."""
         return self.norm_out and self.can_norm_out and {"qkv_rope", "gate_swiglu"} <= self.epilogues
+
+    @property
+    def ffn_norm_folded(self) -> bool:
+        """Whether one-token q8 steps take FOLD_FFN_NORM: it needs the gate_swiglu epilogue,
+        and NORM_OUT (which has no RMSNorm launch to fold) not taken."""
+        return self.fold_ffn_norm and "gate_swiglu" in self.epilogues and not self.norm_out_taken
 
     def _row(self, k: int, bits: int = 8):
         """Row k of the int8 activations (as int8, or as uint32 words: what GEMVs read) and of

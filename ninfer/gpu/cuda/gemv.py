@@ -144,28 +144,51 @@ def make_gemv(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int
     return _make_gemv_split(qtype, lanes, R, unroll, prefetch) if qtype in WLOAD else gemv_rows
 
 
-def _make_split_loop(qtype: str, lanes: int, R: int, U: int):
+def _make_first_loads(qtype: str, lanes: int, R: int, U: int):
+    """Device function: the weight loads of a lane group's first split-loop iteration into W, S."""
+    wload = WLOAD[qtype]
+
+    @device
+    def first_loads(qs, d16, row0, rstride, last_row, sub, num_blocks, W, S):
+        last = num_blocks - 1
+        for u in range(U):
+            bb = min(sub + u * lanes, last)
+            for r in range(R):
+                wload(qs, d16, min(row0 + r * rstride, last_row), bb, W, S, u * R + r)
+
+    return first_loads
+
+
+def _make_split_loop(qtype: str, lanes: int, R: int, U: int, shared: bool = False):
     """Device function: a lane group's dot products over its R weight rows row0, row0 +
     rstride, ... (clamped to last_row) with activation row 0 of xa / xs, into acc[0:R]; every
     load of an iteration (U activation blocks, R x U weight blocks) before any arithmetic
-    (qdot.WLOAD / WCOMP). W, S, A, X: the caller's register arrays (sizes from `_split_arrays`)."""
-    wload, wcomp = WLOAD[qtype], WCOMP[qtype]
+    (qdot.WLOAD / WCOMP). W, S, A, X: the caller's register arrays (sizes from `_split_arrays`).
+    `shared`: xa / xs are the block's shared-memory copy of the activations (int8x4 words, then
+    dx, dx * sum(q) per block; `_make_prologue`), which the caller built after the PDL wait,
+    having issued the first iteration's weight loads (`_make_first_loads`) before it: the loop
+    neither waits nor loads those again."""
+    wcomp = WCOMP[qtype]
+    loads = _make_first_loads(qtype, lanes, R, U)
 
     @device
     def split_loop(qs, d16, xa, xs, row0, rstride, last_row, sub, num_blocks, acc, W, S, A, X):
         last = num_blocks - 1
         for blk0 in range(sub, num_blocks, lanes * U):
-            for u in range(U):
-                bb = min(blk0 + u * lanes, last)
-                for r in range(R):
-                    wload(qs, d16, min(row0 + r * rstride, last_row), bb, W, S, u * R + r)
-            if blk0 == sub:  # PDL: the first weights load while the kernel before finishes
+            if not (shared and blk0 == sub):
+                loads(qs, d16, row0, rstride, last_row, blk0, num_blocks, W, S)
+            if not shared and blk0 == sub:  # PDL: the first weights load while the kernel before finishes
                 grid_dep_wait()
             for u in range(U):
                 bb = min(blk0 + u * lanes, last)
-                A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32_pinned(xa, 0, 8 * bb)
-                A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32_pinned(xa, 0, 8 * bb + 4)
-                X[2 * u], X[2 * u + 1] = ld2_f32_pinned(xs, 0, 2 * bb)
+                if shared:
+                    for k in range(8):
+                        A[8 * u + k] = xa[8 * bb + k]
+                    X[2 * u], X[2 * u + 1] = xs[2 * bb], xs[2 * bb + 1]
+                else:
+                    A[8 * u], A[8 * u + 1], A[8 * u + 2], A[8 * u + 3] = ld4_u32_pinned(xa, 0, 8 * bb)
+                    A[8 * u + 4], A[8 * u + 5], A[8 * u + 6], A[8 * u + 7] = ld4_u32_pinned(xa, 0, 8 * bb + 4)
+                    X[2 * u], X[2 * u + 1] = ld2_f32_pinned(xs, 0, 2 * bb)
             for u in range(U):
                 f = float32(1.0) if blk0 + u * lanes <= last else float32(0.0)
                 for r in range(R):
@@ -279,11 +302,51 @@ def _make_pair_sums(qtype: str, lanes: int, U: int, R: int = 2):
     return pair_sums
 
 
-def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
-    """Gate row j and up row j + F (F = num_f) per lane group, SWIGLU_GROUPS groups a block."""
-    sums = _make_pair_sums(qtype, lanes, U)
+def _make_folded_sums(qtype: str, lanes: int, U: int, cols: int, threads: int):
+    """Device function: gemv_swiglu's (gate, up) row sums over the block's own RMSNorm of x
+    (FOLD_FFN_NORM): the first iteration's weight loads, the PDL wait, the block builds the int8
+    input in shared memory (`_make_prologue`), then the split loop reads it from there. Every
+    thread calls it (the build synchronises the block)."""
+    build = _make_prologue("norm", cols, threads)
+    first = _make_first_loads(qtype, lanes, 2, U)
+    loop = _make_split_loop(qtype, lanes, 2, U, shared=True)
+    nw, ns, na, nx = _split_arrays(qtype, 2, U)
+    n_words, n_scales = cols // 4, cols // 16
+
+    @device
+    def folded_sums(qs, d16, x, nwt, j, num_f, sub, num_blocks, eps):
+        A_sh = cuda.shared.array(n_words, uint32)
+        X_sh = cuda.shared.array(n_scales, float32)
+        scratch = cuda.shared.array(33, float32)
+        acc = cuda.local.array(2, float32)
+        W = cuda.local.array(nw, uint32)
+        S = cuda.local.array(ns, float32)
+        A = cuda.local.array(na, uint32)
+        X = cuda.local.array(nx, float32)
+        valid = j < num_f
+        if valid:
+            first(qs, d16, j, num_f, 2 * num_f - 1, sub, num_blocks, W, S)
+        grid_dep_wait()  # x is the kernel before's output
+        build(x, nwt, eps, A_sh, X_sh, scratch)
+        acc[0] = float32(0.0)
+        acc[1] = float32(0.0)
+        if valid:
+            loop(qs, d16, A_sh, X_sh, j, num_f, 2 * num_f - 1, sub, num_blocks, acc, W, S, A, X)
+        return group_sum(acc[0], lanes), group_sum(acc[1], lanes)
+
+    return folded_sums
+
+
+def _make_gemv_swiglu(qtype: str, lanes: int, U: int, fold_cols: int = 0):
+    """Gate row j and up row j + F (F = num_f) per lane group, SWIGLU_GROUPS groups a block.
+    fold_cols > 0: the RMSNorm before it folded in (FOLD_FFN_NORM): xa is then x [>= 1,
+    fold_cols] (float32) and xs the norm weight [1, fold_cols]; each block builds the int8
+    input in shared memory after the PDL wait, its first weight loads issued before it."""
     groups = SWIGLU_GROUPS
     qwarps = groups // 32
+    fold = fold_cols > 0
+    sums = _make_pair_sums(qtype, lanes, U)
+    folded_sums = _make_folded_sums(qtype, lanes, U, fold_cols, groups * lanes) if fold else None
 
     @aware
     def gemv_swiglu(qs, d16, aux, sc8, xa, xs, num_f, num_blocks, q_out, s_out, nsum, nslot, eps):
@@ -293,7 +356,10 @@ def _make_gemv_swiglu(qtype: str, lanes: int, U: int):
         sub = tid % lanes
         j = cuda.blockIdx.y * groups + gi
         h_sh = cuda.shared.array(groups, float32)
-        g, u = sums(qs, d16, xa, xs, j, num_f, 2 * num_f - 1, sub, num_blocks, j < num_f)
+        if fold:
+            g, u = folded_sums(qs, d16, xa, xs, j, num_f, sub, num_blocks, eps)
+        else:
+            g, u = sums(qs, d16, xa, xs, j, num_f, 2 * num_f - 1, sub, num_blocks, j < num_f)
         if sub == 0:
             r = norm_factor(nsum, nslot, 32 * num_blocks, eps)
             h_sh[gi] = silu_mul(g * r, u * r)
@@ -388,18 +454,27 @@ def _norm_args(norm, dummy):
 
 
 @functools.cache
-def gemv_swiglu_kernel(qtype: str, lanes: int, unroll: int):
-    return cuda.jit(_make_gemv_swiglu(qtype, lanes, unroll))
+def gemv_swiglu_kernel(qtype: str, lanes: int, unroll: int, fold_cols: int = 0):
+    return cuda.jit(_make_gemv_swiglu(qtype, lanes, unroll, fold_cols))
 
 
-def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None, norm=None) -> None:
+def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None, norm=None, fold=None) -> None:
     """h = silu(g) * u of (g | u) = q8 row 0 (xa, xs) @ w.T for the fused [gate; up] matrix w
-    (2F rows), quantized into q_out (int8 [>= 1, F]) and s_out row 0. `norm`: see gemv_rope."""
+    (2F rows), quantized into q_out (int8 [>= 1, F]) and s_out row 0. `norm`: see gemv_rope.
+    `fold` = (x, norm weight [1, cols], eps): the input is RMSNorm(x row 0) instead, built by
+    each block itself (xa / xs unused)."""
     lanes = lanes or SWIGLU_LANES
     num_f = w.rows // 2
+    grid = (1, -(-num_f // SWIGLU_GROUPS))
+    if fold is not None:
+        x, nwt, eps = fold
+        kernel = gemv_swiglu_kernel(w.qtype, lanes, SWIGLU_UNROLL, w.cols)
+        kernel[grid, SWIGLU_GROUPS * lanes, stream](*w.planes, x, nwt, num_f, w.num_blocks, q_out, s_out,
+                                                    *_norm_args((nwt[0], -1, eps), None))  # fmt: skip
+        return
     kernel = gemv_swiglu_kernel(w.qtype, lanes, SWIGLU_UNROLL)
-    kernel[(1, -(-num_f // SWIGLU_GROUPS)), SWIGLU_GROUPS * lanes, stream](*w.planes, xa, xs, num_f, w.num_blocks,
-                                                                           q_out, s_out, *_norm_args(norm, xs[0]))  # fmt: skip
+    kernel[grid, SWIGLU_GROUPS * lanes, stream](*w.planes, xa, xs, num_f, w.num_blocks, q_out, s_out,
+                                                *_norm_args(norm, xs[0]))  # fmt: skip
 
 
 def gemv_swiglu_ref(w_f32, xq8, xs, r: float = 1.0):
@@ -788,6 +863,9 @@ def ptx_cases():
         norm = (f1, types.int64, types.float32)  # the consumer's (sums, slot, eps)
         swiglu_sig = (*plane_types(qtype), u2, f2, int32, int32, i8, f2, *norm)
         cases.append((f"gemv_swiglu_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL), swiglu_sig))
+        fold_sig = (*plane_types(qtype), f2, f2, int32, int32, i8, f2, *norm)  # x and the norm weight
+        cases.append((f"gemv_swiglu_fold_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL, 4096),
+                      fold_sig))  # fmt: skip
         rope_sig = (*plane_types(qtype), u2, f2, int32, f1, types.boolean, f2, f2, i1, i1, i1, f2, cache, cache, int32,
                     int32, *norm)  # fmt: skip
         cases.append((f"gemv_rope_{qtype}_hd128", _make_gemv_rope(qtype, 32, ROPE_UNROLL, 128, False), rope_sig))

@@ -146,19 +146,27 @@ def check_gemv_fused(scale, rng):
 def check_gemv_epilogue(scale, rng):
     """gemv_swiglu (h = silu(gate) * up from paired rows, quantized) against the q8 GEMV's
     product through swiglu_ref (codes may differ by one on a rounding boundary), also taking
-    an unnormalized input whose norm factor it applies; gemv_rope (`_check_gemv_rope`, the
-    same); and gemv_norm (`_check_gemv_norm`)."""
+    an unnormalized input whose norm factor it applies, and building its input from x itself
+    (the RMSNorm folded in); gemv_rope (`_check_gemv_rope`, the same); and gemv_norm
+    (`_check_gemv_norm`)."""
     tiny = scale == "tiny"
     for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
         cols = 64 if tiny else (4096, 14336, 4096)[i]
         f = 64 if tiny else 2048
         t = random_stored(q, 2 * f, cols, rng)
         w = _weight(pack_tensor(t))
-        for rep in range(2):
-            xq, xs = act_quant.quantize_q8_ref(rng.standard_normal((1, cols)).astype(np.float32))
+        for rep in range(3):
+            x = (rng.standard_normal((2, cols)) * 3).astype(np.float32)
+            xq, xs = act_quant.quantize_q8_ref(x[:1])
             hq, hs = _poisoned((1, f), np.int8), _poisoned((1, f // 16))
-            norm, r = _norm_case(cols, rng) if rep == 1 else (None, 1.0)
-            gemv.gemv_swiglu(w, _dev(xq.view(np.uint32)), _dev(xs), hq, hs, norm=norm)
+            nrm, r, fold = None, 1.0, None
+            if rep == 1:  # an unnormalized input and its norm factor
+                nrm, r = _norm_case(cols, rng)
+            if rep == 2:  # the RMSNorm folded in (forward.FOLD_FFN_NORM): from x row 0 and the weight
+                nw = (1 + 0.1 * rng.standard_normal((1, cols))).astype(np.float32)
+                fold = (_dev(x), _dev(nw), 1e-5)
+                _, xq, xs = norm.rmsnorm_ref(x[:1], None, nw.reshape(-1), 1e-5, None, "q8")
+            gemv.gemv_swiglu(w, _dev(xq.view(np.uint32)), _dev(xs), hq, hs, norm=nrm, fold=fold)
             want_q, want_s = gemv.gemv_swiglu_ref(t.dequantize(), xq, xs, r)
             _check_q8(hq.copy_to_host(), hs.copy_to_host(), want_q, want_s, f"gemv_swiglu {q} ({rep})")
         _check_gemv_rope(q, tiny, rng, has_bias=i == 1, normed=i != 0)
@@ -847,11 +855,14 @@ def check_runner(scale, rng):
                 epi.forward.epilogues = epi.forward.epilogues_with(frozenset())
                 epi.forward.norm_out = True  # gemv_norm (off by default) where both epilogues are taken
                 epi.forward.merge_in_attention = True  # the last-split merge (off by default)
+                epi.forward.fold_ffn_norm = True  # gemv_swiglu's own RMSNorm (off by default; qwen3: no gemv_norm)
                 want = set(forward.EPILOGUES) - ({"qkv_rope"} if e_spec.has_qk_norm else set())
                 if epi.forward.epilogues != want:
                     raise AssertionError(f"{e_spec.arch}: epilogues {sorted(epi.forward.epilogues)}, not {sorted(want)}")
                 if epi.forward.norm_out_taken != (not e_spec.has_qk_norm):  # gemv_norm: llama only (both epilogues)
                     raise AssertionError(f"{e_spec.arch}: NORM_OUT taken: {epi.forward.norm_out_taken}")
+                if epi.forward.ffn_norm_folded != e_spec.has_qk_norm:  # the fold: where gemv_norm is not taken
+                    raise AssertionError(f"{e_spec.arch}: FOLD_FFN_NORM taken: {epi.forward.ffn_norm_folded}")
                 _compare_one_row(epi, ReferenceRunner(e_model, num_pages=8, page_size=4), e_spec, rng, rtol)
                 epi.close()
 
