@@ -11,6 +11,7 @@ and raises AssertionError with the worst error when a kernel disagrees with its 
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import traceback
@@ -871,27 +872,44 @@ def check_lookahead(scale, rng):
     """Steps submitted one ahead with `feed` (tokens = the step before's samples, which embed
     reads on the device) give exactly the tokens, log-probabilities and top lists of steps
     fed through the host: greedy and seeded rows, top logprobs, on the GPU three streams in a
-    bucket of four (a padding row); and with fewer rows a step than streams, the batch in two
-    sub-steps (the host path). The simulator (~10 s a step) takes two streams, one fed step."""
+    bucket of four (a padding row); and with fewer rows a step than streams, the batch in
+    sub-steps (the host path). The simulator (~10 s a step) takes three streams and one fed
+    step; at one row a step that is three sub-steps, so a host mirror set is reused within one
+    submit (its first owner's outputs fetched before it is overwritten)."""
     from ninfer.gpu.cuda.random_model import random_model, random_spec
     from ninfer.gpu.cuda.runner import CudaRunner
 
     spec = random_spec("tiny", arch="llama")
     model = random_model(spec, "Q8_0", seed=int(rng.integers(1 << 30)))
     tiny = scale == "tiny"
-    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in ((5, 3) if tiny else (5, 3, 7))]
+    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in ((5, 3, 4) if tiny else (5, 3, 7))]
     steps = 1 if tiny else 12
-    for max_rows in (2, 1) if tiny else (4, 2):
+    host_fed = {}
+    for max_rows in (2, 1) if tiny else (4, 2, 1):
         runs = []
         for ahead in (False, True):
             runner = CudaRunner(model, num_pages=32, page_size=4, max_batch_rows=max_rows, activations="q8",
                                 split_len=8)  # fmt: skip
-            runs.append(_decode_streams(runner, spec, prompts, steps, ahead))
+            overlapped = []
+            runs.append(_decode_streams(runner, spec, prompts, steps, ahead, overlapped))
             fed_graphs = [k for k in (runner._graphs.keys() if runner._graphs is not None else ()) if k[-1]]
             runner.close()
             if ahead and max_rows == 4 and not fed_graphs:
                 raise AssertionError("no fed decode graph was captured")
+            if ahead and max_rows == 4 and not SIMULATOR and not overlapped:
+                raise AssertionError("no fed step was staged while the step before ran")
         _same_results(*runs, max_rows)
+        host_fed[max_rows] = runs[0]
+    # and the batch split differently gives the same tokens (a sub-step's kernels and sums may
+    # differ with its row count, so log-probabilities to 1e-3): with one row a step, a host
+    # mirror set is reused within one submit, which both runs above would get equally wrong
+    one = host_fed.pop(1)
+    for max_rows, other in host_fed.items():
+        for i, (want, got) in enumerate(zip(other, one, strict=True)):
+            for j, (w, g) in enumerate(zip(want, got, strict=True)):
+                if g.token_id != w.token_id or abs(g.logprob - w.logprob) > 1e-3:
+                    raise AssertionError(f"one row a step vs {max_rows}, step {i}, stream {j}: "
+                                         f"({g.token_id}, {g.logprob}) != ({w.token_id}, {w.logprob})")  # fmt: skip
 
 
 def _same_results(want_steps, got_steps, max_rows):
@@ -905,9 +923,10 @@ def _same_results(want_steps, got_steps, max_rows):
                 raise AssertionError(f"{where}: top lists {g.top_ids} != {w.top_ids}")
 
 
-def _decode_streams(runner, spec, prompts, steps: int, ahead: bool) -> list:
+def _decode_streams(runner, spec, prompts, steps: int, ahead: bool, overlapped: list) -> list:
     """Each step's results for len(prompts) streams: the prompts, then `steps` decode steps fed
-    through the host (step) or one ahead on the device (submit feed=True, collect behind)."""
+    through the host (step) or one ahead on the device (submit feed=True, collect behind);
+    `overlapped` gets the fed steps staged while the step before ran (on the GPU: `_hold`)."""
     from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
 
     kinds = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.0))
@@ -921,9 +940,16 @@ def _decode_streams(runner, spec, prompts, steps: int, ahead: bool) -> list:
 
     out = []
     if ahead:
+        _hold(runner)
         pending = runner.submit(rows_at(-1, prompts))
         for k in range(steps):
+            _hold(runner)
+            graphs = _num_graphs(runner)
             nxt = runner.submit(rows_at(k, None), feed=True)
+            # fed on the device (one sub-step each), no capture in between (it outlasts the hold)
+            if len(pending.state) == len(nxt.state) == 1 and _num_graphs(runner) == graphs:
+                _still_running(runner, pending, k)
+                overlapped.append(k)
             out.append(runner.collect(pending))
             pending = nxt
         out.append(runner.collect(pending))
@@ -932,6 +958,42 @@ def _decode_streams(runner, spec, prompts, steps: int, ahead: bool) -> list:
     for k in range(steps):
         out.append(runner.step(rows_at(k, [[t.token_id] for t in out[-1]])))
     return out
+
+
+# On the GPU a tiny model's step ends before Python has staged the next one, so without help
+# the fed steps would never be staged while the step before runs. A spin kernel queued before
+# each submit holds the stream (a few ms), and after each fed submit the step before must
+# still be running: its staging and launch overlapped that step, as in the engine on a large
+# model. (Unrun on a GPU when written: the ninth session had none.)
+HOLD_ITERS = 1 << 22
+
+
+@functools.cache
+def _spin_kernel():
+    """The spin kernel and its output (allocated once: a free can synchronise the device)."""
+
+    def spin(out, n):
+        acc = np.uint32(1)
+        for _ in range(n):
+            acc = acc * np.uint32(1664525) + np.uint32(1013904223)
+        out[0] = acc
+
+    return cuda.jit(spin), cuda.device_array(1, np.uint32)
+
+
+def _hold(runner) -> None:
+    if not SIMULATOR:  # the simulator runs each launch to its end before returning
+        kernel, out = _spin_kernel()
+        kernel[1, 1, runner.stream](out, HOLD_ITERS)
+
+
+def _num_graphs(runner) -> int:
+    return 0 if runner._graphs is None else len(list(runner._graphs.keys()))
+
+
+def _still_running(runner, pending, k) -> None:
+    if not SIMULATOR and runner._events[pending.state[0].mirror].query():
+        raise AssertionError(f"fed step {k}: the step before had ended when this one was staged")
 
 
 def _check_runner_lp(model, spec, kv_t, rng, rtol):
