@@ -48,25 +48,34 @@ def _pinned(shape, dtype):
 MIRRORS = 2  # host mirror sets: a step in flight and the next one being staged
 
 
+# The step's inputs and outputs: (device name, host mirror name, shape, dtype). Each has a
+# device array (StepBuffers) and a pinned copy in every host mirror set (HostMirror).
+def _io_arrays(spec, limits: Limits) -> list[tuple]:
+    t, r = max(limits.alloc_tokens, limits.max_tokens), limits.max_rows
+    return [
+        ("tok_in", "h_tok", (TOKEN_FIELDS, t), np.int32),  # per token
+        ("row_in", "h_row", (ROW_FIELDS, r), np.int32),  # per row
+        ("tiles_in", "h_tiles", (3, t + r), np.int32),
+        ("tables", "h_tables", (r, limits.max_pages_per_row), np.int32),  # page tables
+        ("fpar", "h_fpar", (r, NUM_FPAR), np.float32),  # sampling
+        ("ipar", "h_ipar", (r, NUM_IPAR), np.int32),
+        ("seeds", "h_seeds", (r, 2), np.uint64),
+        ("pen_ids", "h_pen_ids", MAX_PENALTY_ENTRIES, np.int32),
+        ("pen_counts", "h_pen_counts", MAX_PENALTY_ENTRIES, np.int32),
+        ("masks", "h_masks", (r, (spec.vocab_size + 31) // 32), np.uint32),
+        # outputs in one int32 allocation: tokens [r] | logprob bits [r] | top ids [r, K] | top bits [r, K]
+        ("out", "h_out", r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32),
+    ]  # fmt: skip
+
+
 class HostMirror:
     """One set of pinned host arrays a step is staged in and its outputs come back to."""
 
-    FIELDS = ("h_tok", "h_row", "h_tiles", "h_tables", "h_fpar", "h_ipar", "h_seeds", "h_pen_ids", "h_pen_counts",
-              "h_masks", "h_out")  # fmt: skip
-
     def __init__(self, spec, limits: Limits):
-        t, r = max(limits.alloc_tokens, limits.max_tokens), limits.max_rows
-        self.h_tok = _pinned((TOKEN_FIELDS, t), np.int32)
-        self.h_row = _pinned((ROW_FIELDS, r), np.int32)
-        self.h_tiles = _pinned((3, t + r), np.int32)
-        self.h_tables = _pinned((r, limits.max_pages_per_row), np.int32)
-        self.h_fpar = _pinned((r, NUM_FPAR), np.float32)
-        self.h_ipar = _pinned((r, NUM_IPAR), np.int32)
-        self.h_seeds = _pinned((r, 2), np.uint64)
-        self.h_pen_ids = _pinned(MAX_PENALTY_ENTRIES, np.int32)
-        self.h_pen_counts = _pinned(MAX_PENALTY_ENTRIES, np.int32)
-        self.h_masks = _pinned((r, (spec.vocab_size + 31) // 32), np.uint32)
-        self.h_out = _pinned(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
+        self.fields = []
+        for _, name, shape, dtype in _io_arrays(spec, limits):
+            setattr(self, name, _pinned(shape, dtype))
+            self.fields.append(name)
 
 
 class StepBuffers:
@@ -90,19 +99,8 @@ class StepBuffers:
         self.ml_part = _dev((r, spec.num_heads, limits.max_splits, 2), np.float32)
         self.logits = _dev((r, spec.vocab_size), np.float32)
         self.scores = _dev((r, spec.vocab_size), np.float32)
-        # inputs: per token, per row, page tables, sampling
-        self.tok_in = _dev((TOKEN_FIELDS, t), np.int32)
-        self.row_in = _dev((ROW_FIELDS, r), np.int32)
-        self.tiles_in = _dev((3, t + r), np.int32)
-        self.tables = _dev((r, limits.max_pages_per_row), np.int32)
-        self.fpar = _dev((r, NUM_FPAR), np.float32)
-        self.ipar = _dev((r, NUM_IPAR), np.int32)
-        self.seeds = _dev((r, 2), np.uint64)
-        self.pen_ids = _dev(MAX_PENALTY_ENTRIES, np.int32)
-        self.pen_counts = _dev(MAX_PENALTY_ENTRIES, np.int32)
-        self.masks = _dev((r, (spec.vocab_size + 31) // 32), np.uint32)
-        # outputs in one int32 allocation: tokens [r] | logprob bits [r] | top ids [r, K] | top bits [r, K]
-        self.out = _dev(r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32)
+        for name, _, shape, dtype in _io_arrays(spec, limits):  # inputs and outputs
+            setattr(self, name, _dev(shape, dtype))
         self.attn_counters = cuda.to_device(np.zeros((r, spec.num_kv_heads), np.int32))  # attn_decode's merge
         self.norm_sums = _dev(2 * spec.num_layers, np.float32)  # gemv_norm's sums of squares (embed zeroes them)
         self.dummy_f32 = _dev((1, 1), np.float32)
@@ -115,7 +113,7 @@ class StepBuffers:
         """Point the `h_*` attributes (what staging fills and a captured graph's copies read) at
         host mirror `i`."""
         m = self.mirrors[i]
-        for name in HostMirror.FIELDS:
+        for name in m.fields:
             setattr(self, name, getattr(m, name))
         return m
 

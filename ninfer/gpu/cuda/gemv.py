@@ -345,7 +345,7 @@ def _make_gemv_swiglu(qtype: str, lanes: int, U: int, fold_cols: int = 0):
     groups = SWIGLU_GROUPS
     qwarps = groups // 32
     fold = fold_cols > 0
-    sums = _make_pair_sums(qtype, lanes, U)
+    sums = None if fold else _make_pair_sums(qtype, lanes, U)
     folded_sums = _make_folded_sums(qtype, lanes, U, fold_cols, groups * lanes) if fold else None
 
     @aware

@@ -988,7 +988,7 @@ def _hold(runner) -> None:
 
 
 def _num_graphs(runner) -> int:
-    return 0 if runner._graphs is None else len(list(runner._graphs.keys()))
+    return 0 if runner._graphs is None else len(runner._graphs.keys())
 
 
 def _still_running(runner, pending, k) -> None:
