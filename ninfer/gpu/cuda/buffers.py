@@ -13,6 +13,7 @@ from numba import cuda
 
 from ninfer.gpu.cuda.intrinsics import SIMULATOR
 from ninfer.gpu.runner import MAX_TOP_LOGPROBS
+from ninfer.gpu.cuda import sampler
 from ninfer.gpu.cuda.sampler import NUM_FPAR, NUM_IPAR
 
 TOKEN_FIELDS = 4  # token id, position, page, slot
@@ -102,6 +103,7 @@ class StepBuffers:
         for name, _, shape, dtype in _io_arrays(spec, limits):  # inputs and outputs
             setattr(self, name, _dev(shape, dtype))
         self.attn_counters = cuda.to_device(np.zeros((r, spec.num_kv_heads), np.int32))  # attn_decode's merge
+        self.sampler_scratch = sampler.scratch(r)  # the split statistics pass's partials and counts
         self.norm_sums = _dev(2 * spec.num_layers, np.float32)  # gemv_norm's sums of squares (embed zeroes them)
         self.dummy_f32 = _dev((1, 1), np.float32)
         self.dummy_f1 = _dev(1, np.float32)
@@ -153,7 +155,7 @@ class StepBuffers:
         return (
             self.logits, self.scores, self.fpar, self.ipar, self.seeds, self.pen_ids, self.pen_counts, self.masks,
             self.out[0:r], out_f32[r : 2 * r], self.out[2 * r : (2 + k) * r].reshape(r, k),
-            out_f32[(2 + k) * r :].reshape(r, k),
+            out_f32[(2 + k) * r :].reshape(r, k), *self.sampler_scratch,
         )  # fmt: skip
 
     def host_outputs(self, mirror: HostMirror):

@@ -189,7 +189,7 @@ def _time_sampler(spec, stream, rng, n) -> float:
     args = (logits, zeros((1, v), np.float32), zeros((1, sampler.NUM_FPAR), np.float32),
             zeros((1, sampler.NUM_IPAR), np.int32), zeros((1, 2), np.uint64), zeros(1, np.int32), zeros(1, np.int32),
             zeros((1, (v + 31) // 32), np.uint32), zeros(1, np.int32), zeros(1, np.float32), zeros((1, 8), np.int32),
-            zeros((1, 8), np.float32))  # fmt: skip
+            zeros((1, 8), np.float32), *sampler.scratch(1))  # fmt: skip
 
     def launch():
         for _ in range(n):

@@ -663,29 +663,36 @@ def check_sampler(scale, rng):
     from ninfer.gpu.runner import MAX_TOP_LOGPROBS
 
     # tiny: 1,200 logits take the quad pass's unrolled loads past one round of the block and a
-    # partial last round; 201 (not a multiple of 4) the scalar pass
-    vocabs = (1200, 201) if scale == "tiny" else (49152, 128256)
+    # partial last round; 201 (not a multiple of 4) the scalar pass. The statistics pass over
+    # one block a row and split (3; 32 of 201: empty splits past the end).
+    cases = ([(201, 32), (1200, 3), (1200, 1), (201, 1)] if scale == "tiny"
+             else [(49152, None), (128256, None), (49152, 1), (128256, 1)])  # fmt: skip
     threads = 64 if scale == "tiny" else sampler.THREADS
     rounds = 1 if scale == "tiny" else 10
-    off_exact = 0
-    for vocab in vocabs:
+    off_exact = total = 0
+    # one scratch for every case: the split launches must leave it reset for the next (each
+    # case's logits lower than the one's before, so a stale best key would win)
+    scratch = None
+    for c, (vocab, splits) in enumerate(cases):
         specs = _sample_specs(vocab, rng)
-        off_exact += _check_sampler_vocab(specs, vocab, rounds, threads, rng)
+        scratch = scratch or sampler.scratch(len(specs))
+        off_exact += _check_sampler_vocab(specs, vocab, rounds, threads, rng, splits, scratch, shift=-20.0 * c)
+        total += len(specs) * rounds
     # A draw that lands within float rounding of a boundary may go either way: one in 1000.
-    if off_exact > len(specs) * rounds * len(vocabs) // 1000:
-        raise AssertionError(f"sampler: {off_exact} of {len(specs) * rounds * len(vocabs)} tokens differ from the reference")
+    if off_exact > total // 1000:
+        raise AssertionError(f"sampler: {off_exact} of {total} tokens differ from the reference")
     assert MAX_TOP_LOGPROBS >= 5
 
 
-def _check_sampler_vocab(specs, vocab, rounds, threads, rng) -> int:
+def _check_sampler_vocab(specs, vocab, rounds, threads, rng, splits=None, scratch=None, shift=0.0) -> int:
     """Rows of `vocab` random logits through the device sampler against the reference; the
     number of draws that differ (logprobs and top lists must match)."""
     from ninfer.gpu import sampling
 
     off_exact = 0
     for _ in range(rounds):
-        logits = (rng.standard_normal((len(specs), vocab)) * 3).astype(np.float32)
-        got = _run_sampler(logits, specs, threads)
+        logits = (rng.standard_normal((len(specs), vocab)) * 3 + shift).astype(np.float32)
+        got = _run_sampler(logits, specs, threads, splits, scratch)
         for r, s in enumerate(specs):
             want = sampling.sample(logits[r], s)
             tok, lp, top_ids, top_lp = (g[r] for g in got)
@@ -731,7 +738,7 @@ def _exact_draw(logits, spec):
     return int(ids[min(int(np.searchsorted(cum, u * cum[-1], side="right")), n - 1)])
 
 
-def _run_sampler(logits, specs, threads):
+def _run_sampler(logits, specs, threads, splits=None, scratch=None):
     from ninfer.gpu.runner import MAX_TOP_LOGPROBS
 
     n, vocab = logits.shape
@@ -756,8 +763,8 @@ def _run_sampler(logits, specs, threads):
     out_tok, out_lp = _poisoned(n, np.int32), _poisoned(n)
     top_ids, top_lp = _poisoned((n, MAX_TOP_LOGPROBS), np.int32), _poisoned((n, MAX_TOP_LOGPROBS))
     args = (_dev(logits), _poisoned(logits.shape), _dev(fpar), _dev(ipar), _dev(seeds), _dev(pid), _dev(pcn),
-            _dev(masks), out_tok, out_lp, top_ids, top_lp)  # fmt: skip
-    sampler.sample(args, n, threads=threads)
+            _dev(masks), out_tok, out_lp, top_ids, top_lp, *(scratch or sampler.scratch(n)))  # fmt: skip
+    sampler.sample(args, n, threads=threads, splits=splits)
     return out_tok.copy_to_host(), out_lp.copy_to_host(), top_ids.copy_to_host(), top_lp.copy_to_host()
 
 
