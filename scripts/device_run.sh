@@ -2,7 +2,7 @@
 # Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated among dmon, tune, ncu, timeline, profile, steps8b, bench, bench8b, tests
+# STAGES: comma-separated among dmon, tune, ncu, timeline, profile, steps8b, checks, bench, bench8b, tests
 #         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
@@ -65,12 +65,13 @@ if has profile; then
 fi
 if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch kind, then A/B variants
   timeout ${STEPS8B_S:-400} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
-    --streams 1 --rounds 2 --steps 20 --remove qkv,attention,o,norm,gate_up,down,head \
+    --streams 1 --rounds 2 --steps 20 --remove qkv,attention,combine,o,norm,gate_up,down,head,sampler \
     --variant "split:gemv.ONE_ROW_SPLIT=True" \
     --variant "split12:gemv.ONE_ROW_SPLIT=True; gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (1, 2)}" --variant "wide22:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 2)}" \
     --variant "wide24:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 4)}" --variant "rope_u4:gemv.ROPE_UNROLL=4" \
     --variant "swiglu_u4:gemv.SWIGLU_UNROLL=4" --variant "fold_ffn:forward.FOLD_FFN_NORM=True" \
     --variant "split+rope_u4+fold:gemv.ONE_ROW_SPLIT=True; gemv.ROPE_UNROLL=4; forward.FOLD_FFN_NORM=True" \
+    --variant "stats1:sampler.SPLIT_STATS=False" --variant "par_up:graphs.PARALLEL_UPLOADS=True" \
     --json "$OUT/steps8b.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/steps8b.txt"
 fi
 if has bench; then
@@ -90,6 +91,13 @@ if has bench8b; then
       --streams 1,16 --prompt-lens 512 --decode-tokens 64 --repeats 2 --activations $ACT 2>&1 \
       | grep -v "uploading weights" | tee -a "$OUT/bench_8b_q4_1.txt"
   done
+fi
+if has checks; then  # kernel_checks real, one process a check (CHECKS="..." to choose), then the copies' fan (PARALLEL_UPLOADS)
+  for C in ${CHECKS:-lookahead runner sampler gemv_epilogue rmsnorm qkv_post gemv_q8}; do
+    timeout ${CHECK_S:-150} python3 -m ninfer.gpu.cuda.kernel_checks real $C 2>&1 | tail -c 3000 | tee -a "$OUT/checks.txt"
+  done
+  timeout ${CHECK_S:-150} python3 -c "from ninfer.gpu.cuda import graphs, kernel_checks as k; graphs.PARALLEL_UPLOADS = True
+raise SystemExit(k.main(['real', 'lookahead']))" 2>&1 | tail -c 3000 | sed 's/^/par_up /' | tee -a "$OUT/checks.txt"
 fi
 if has tests; then
   SEL=(-m gpu)

@@ -120,8 +120,9 @@ def _ncu_prefill(runner, prompt_len) -> int:
 
 
 # --remove: what each kind of launch is, by the weights it reads (every GEMV flavour takes its
-# DeviceWeight first, but gemv_rope second) or by the Forward method that issues it
-REMOVABLE = ("qkv", "attention", "o", "norm", "gate_up", "down", "head")
+# DeviceWeight first, but gemv_rope second), by the Forward method that issues it, or by its
+# module function (combine: the decode attention's split merge; sampler)
+REMOVABLE = ("qkv", "attention", "combine", "o", "norm", "gate_up", "down", "head", "sampler")
 _GEMV_FNS = ("gemv", "gemv_rope", "gemv_swiglu", "gemv_fused", "gemv_norm")
 
 
@@ -135,10 +136,11 @@ def _weights_of(model, kind: str) -> set[int]:
 
 def _patchable():
     """The functions variants may replace (removals, wrappers), and a function restoring them."""
-    from ninfer.gpu.cuda import forward, gemv
+    from ninfer.gpu.cuda import attention, forward, gemv, sampler
 
     saved = [(gemv, n, getattr(gemv, n)) for n in _GEMV_FNS]
     saved += [(forward.Forward, n, vars(forward.Forward)[n]) for n in ("_attention", "_norm")]
+    saved += [(attention, "attn_combine_kernel", attention.attn_combine_kernel), (sampler, "sample", sampler.sample)]
 
     def restore():
         for owner, name, fn in saved:
@@ -147,14 +149,27 @@ def _patchable():
     return restore
 
 
+class _NoLaunch:
+    """A kernel whose `kernel[grid, block, stream](...)` launches nothing."""
+
+    def __getitem__(self, config):
+        return lambda *args: None
+
+
 def _remove(model, kind: str) -> None:
     """Drop one kind of launch from every step built afterwards. Removing a GEMV that has a
     fold drops the fold with it (QKV: RoPE / K-V write; gate+up: SwiGLU; a prologue fold: its
     RMSNorm)."""
-    from ninfer.gpu.cuda import forward, gemv
+    from ninfer.gpu.cuda import attention, forward, gemv, sampler
 
     if kind in ("attention", "norm"):
         setattr(forward.Forward, f"_{kind}", lambda *a, **k: None)
+        return
+    if kind == "combine":  # kernel[grid, block, stream](...) launches nothing
+        attention.attn_combine_kernel = lambda *a: _NoLaunch()
+        return
+    if kind == "sampler":
+        sampler.sample = lambda *a, **k: None
         return
     drop = _weights_of(model, kind)
     for name in _GEMV_FNS:
@@ -180,10 +195,10 @@ def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict
     functions (`_patchable`), both restored first; then the forward is rebuilt and every graph
     dropped, so the variant is captured anew. The code may call remove(KIND) (REMOVABLE) or
     wrap a GEMV function (e.g. `g = gemv.gemv; gemv.gemv = lambda w, *a, **k: g(w, *a, **k)`)."""
-    from ninfer.gpu.cuda import attention, forward, gemv, l2_prefetch, pdl, runner as runner_mod, sampler
+    from ninfer.gpu.cuda import attention, forward, gemv, graphs, l2_prefetch, pdl, runner as runner_mod, sampler
 
     mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler,
-            "runner": runner_mod, "pdl": pdl}  # fmt: skip
+            "runner": runner_mod, "pdl": pdl, "graphs": graphs}  # fmt: skip
     defaults = {m: {k: v for k, v in vars(mod).items() if k.isupper()} for m, mod in mods.items()}
     results = []
     restore = _patchable()
@@ -237,8 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--activations", default="f32")
     p.add_argument("--json")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL:PYTHON",
-                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner, pdl) "
-                        "over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
+                   help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner, pdl, "
+                        "graphs) over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
     p.add_argument("--remove", default="", metavar="KINDS",
                    help=f"in-step cost by removal: variants without each of these launch kinds ({','.join(REMOVABLE)}) "
                         "beside the whole graph (results wrong, timings not)")  # fmt: skip
