@@ -198,7 +198,7 @@ def stat_splits(vocab: int, threads: int) -> int:
     """Blocks a row's statistics pass takes: one unrolled round of quads a thread each."""
     if not SPLIT_STATS:
         return 1
-    return max(1, min(MAX_STAT_SPLITS, -(-vocab // (threads * _STATS_VALS))))
+    return max(1, min(MAX_STAT_SPLITS, threads, -(-vocab // (threads * _STATS_VALS))))
 
 
 @device
@@ -356,6 +356,8 @@ def sample(bufs, num_rows: int, stream=0, threads: int = THREADS, splits: int | 
     """Launch over `num_rows` rows; `bufs` holds the arrays named in the kernel signature (the
     last three: `scratch`). `splits`: blocks a row's statistics pass takes (stat_splits)."""
     splits = splits or stat_splits(bufs[0].shape[1], threads)
+    if not 1 <= splits <= min(MAX_STAT_SPLITS, threads):  # the merge: a thread a split, into the scratch
+        raise ValueError(f"{splits} statistics splits: 1 to {min(MAX_STAT_SPLITS, threads)} at {threads} threads")
     sampler_kernel(threads)[(num_rows, splits), threads, stream](*bufs)
 
 
