@@ -2,7 +2,7 @@
 # Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated among dmon, tune, ncu, timeline, profile, steps8b, checks, bench, bench8b, tests
+# STAGES: comma-separated among dmon, tune, attn, ncu, timeline, profile, steps8b, checks, bench, bench8b, tests
 #         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
@@ -38,6 +38,10 @@ fi
 if has tune; then  # single-kernel device times at model shapes (GEMV variants, RMSNorm, attention)
   timeout ${TUNE_S:-150} python3 -m ninfer.gpu.cuda.gemv_tune --json "$OUT/tune.json" 2>&1 | tail -n 80 > "$OUT/tune.txt"
 fi
+if has attn; then  # decode attention paths alone, us a layer (lpm: the splits merged in the block)
+  timeout ${ATTN_S:-200} python3 -m ninfer.gpu.cuda.attn_tune --shapes llama3-8b,smollm2-135m --rows 1,4,16 \
+    --contexts 128,192,256 --variants 8x4 --json "$OUT/attn.json" 2>&1 | grep '"speedup"' | tee "$OUT/attn.txt"
+fi
 if has ncu; then  # device time of every kernel of one captured decode step
   NCU="ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv"
   NACT=${ACTS%% *}; NACT=${NACT:-f32}  # the first of ACTS
@@ -71,7 +75,7 @@ if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch
     --variant "wide24:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 4)}" --variant "rope_u4:gemv.ROPE_UNROLL=4" \
     --variant "swiglu_u4:gemv.SWIGLU_UNROLL=4" --variant "fold_ffn:forward.FOLD_FFN_NORM=True" \
     --variant "split+rope_u4+fold:gemv.ONE_ROW_SPLIT=True; gemv.ROPE_UNROLL=4; forward.FOLD_FFN_NORM=True" \
-    --variant "stats1:sampler.SPLIT_STATS=False" --variant "par_up:graphs.PARALLEL_UPLOADS=True" \
+    --variant "stats1:sampler.SPLIT_STATS=False" --variant "par_up:graphs.PARALLEL_UPLOADS=True" --variant "lpm:attention.LP_MERGED=True" \
     --json "$OUT/steps8b.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/steps8b.txt"
 fi
 if has bench; then
@@ -93,7 +97,7 @@ if has bench8b; then
   done
 fi
 if has checks; then  # kernel_checks real, one process a check (CHECKS="..." to choose), then the copies' fan (PARALLEL_UPLOADS)
-  for C in ${CHECKS:-lookahead runner sampler gemv_epilogue rmsnorm qkv_post gemv_q8}; do
+  for C in ${CHECKS:-lookahead runner sampler attn_decode gemv_epilogue rmsnorm qkv_post gemv_q8}; do
     timeout ${CHECK_S:-150} python3 -m ninfer.gpu.cuda.kernel_checks real $C 2>&1 | tail -c 3000 | tee -a "$OUT/checks.txt"
   done
   timeout ${CHECK_S:-150} python3 -c "from ninfer.gpu.cuda import graphs, kernel_checks as k; graphs.PARALLEL_UPLOADS = True

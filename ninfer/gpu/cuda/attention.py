@@ -7,6 +7,9 @@ heads that share the KV head and keeping an online softmax (max m, sum l, weight
 `attn_combine` merges the splits per (row, head) and writes float32 or int8 (the o-proj input).
 For few rows and short contexts (`use_one_launch`, by the graph bucket) `attn_decode_one`
 does it all in one launch: one block of 8 warps per (row, KV head) walks the whole context.
+`attn_decode_lp` scores a split of 32 positions one a lane (then attn_combine), and
+`attn_decode_lpm` (off: LP_MERGED) runs up to 8 such splits as the warps of one block per
+(row, KV head), merged in shared memory.
 Both decode kernels can also do the step's rope.qkv_post (`post=`): each block rotates its
 group's q from the raw QKV into shared memory and writes the new token's K / V (one block per
 position) before a barrier and its attention loop; one kernel fewer per layer.
@@ -27,12 +30,12 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, int32, types, uint32
 
 from ninfer.gpu.cuda.act_quant import store_q8
 from ninfer.gpu.cuda.intrinsics import (
-    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8, ld8_cg, ld8_pinned,
-    ld_f32_cg, shfl_xor, warp_max, warp_sum,
+    SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8, ld8_cg, ld8_h_words,
+    ld8_pinned, ld_f32_cg, shfl_xor, unpack_h2, warp_max, warp_sum,
 )
 from ninfer.gpu.cuda.pdl import aware
 from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
@@ -579,6 +582,147 @@ def attn_decode_lp(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part,
     )
 
 
+# -- decode, lanes over positions, merged in the block ------------------------------------------
+#
+# attn_decode_lp's splits of 32 positions (lane i scores position i), but all of a row's
+# splits in one block per (row, KV head), one warp each, merged through shared memory: no
+# split scratch and no combine launch, for contexts of at most LPM_MAX_SPLITS splits (the
+# graph bucket's). One warp covers a split's whole head_dim, so a lane holds its position's
+# K row and its share of V rows: 2 x head_dim values. As float32 that would not fit (256
+# positions x 128 x 2 = the whole 64k-register file of an SM at head_dim 128); they stay as
+# float16 pairs in uint32 registers (ld8_h_words) and are converted at use (unpack_h2).
+# float16 pools only. Unmeasured (written without a GPU in the tenth session): off; A/B it by
+# `profile --variant "lpm:attention.LP_MERGED=True"` where `--remove combine` shows the
+# combine launch costing more than a few us a layer.
+LP_MERGED = False
+LPM_MAX_SPLITS = 8  # warps a block (256 threads): ptxas's registers x 256 must fit 64k
+
+
+def use_lpm(head_dim: int, split_len: int, num_rows: int, context: int, kv_dtype) -> bool:
+    """Whether a decode bucket takes attn_decode_lpm (LP_MERGED; a function of the graph key)."""
+    return (LP_MERGED and split_len == LP_SPLIT and np.dtype(kv_dtype) == np.float16 and head_dim in (32, 64, 128)
+            and num_rows <= LP_MAX_ROWS and context <= LPM_MAX_SPLITS * LP_SPLIT)  # fmt: skip
+
+
+def make_attn_decode_lpm(head_dim: int, group: int, splits: int, mode: str):
+    vec = ONE_VEC
+    lpr = head_dim // vec  # lanes over one V row
+    rpw = 32 // lpr  # V rows a warp loads at once
+    npl = 32 // rpw  # V rows a lane accumulates
+    kw = head_dim // 2  # K words of a lane's position
+    vw = npl * vec // 2  # V words of a lane
+    gd = group * head_dim
+    gv = group * vec
+    threads = 32 * splits
+    oi = -(-gd // threads)  # outputs a thread writes
+
+    @aware
+    def attn_decode_lpm(q, k_cache, v_cache, tables, seq_lens, out, xs, scale):
+        grid_dep_launch()
+        b = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        sp = tid // 32  # this warp's split
+        page_size = k_cache.shape[1]
+        last_t = tables.shape[1] - 1
+        start = sp * LP_SPLIT
+        r0 = lane // lpr  # the P V pass: this lane's first row and its 8 columns
+        d0 = (lane % lpr) * vec
+        page = tables[b, min((start + lane) // page_size, last_t)]  # step inputs: before the PDL wait
+        vpg = cuda.local.array(npl, int32)
+        for k in range(npl):
+            vpg[k] = tables[b, min((start + r0 + k * rpw) // page_size, last_t)]
+        n = seq_lens[b]
+        grid_dep_wait()  # q and the newest position's K / V come from the kernels before
+        zero = float32(0.0)
+        p = start + lane
+        valid = p < n
+        vv = cuda.local.array(vw, uint32)
+        kk = cuda.local.array(kw, uint32)
+        for k in range(npl):  # V first: its latency overlaps the scores (zero words: 0.0 halves)
+            pj = start + r0 + k * rpw
+            ok = pj < n
+            w0, w1, w2, w3 = ld8_h_words(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
+            vv[4 * k], vv[4 * k + 1] = (w0, w1) if ok else (uint32(0), uint32(0))
+            vv[4 * k + 2], vv[4 * k + 3] = (w2, w3) if ok else (uint32(0), uint32(0))
+        pg = page if valid else 0  # past the row: page 0, masked (entries past a row are stale)
+        for c in range(lpr):
+            kk[4 * c], kk[4 * c + 1], kk[4 * c + 2], kk[4 * c + 3] = ld8_h_words(k_cache, pg, p % page_size, kvh,
+                                                                                 vec * c)  # fmt: skip
+        qs = cuda.shared.array(gd, float32)
+        ps = cuda.shared.array((splits, group, LP_SPLIT), float32)
+        sm = cuda.shared.array((splits, group), float32)
+        sl = cuda.shared.array((splits, group), float32)
+        sa = cuda.shared.array((splits, group, head_dim), float32)
+        for i in range(4 * tid, gd, 4 * threads):  # the group's q, scaled, in 16-byte loads
+            a0, a1, a2, a3 = ld4_f32_pinned(q, b, kvh * gd + i)
+            qs[i], qs[i + 1], qs[i + 2], qs[i + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
+        cuda.syncthreads()  # qs
+        for g in range(group):  # the split's softmax per head: (max, sum) over the warp
+            s = zero
+            for i in range(kw):  # kk's index is constant once this inner loop is unrolled
+                lo, hi = unpack_h2(kk[i])
+                s += qs[g * head_dim + 2 * i] * lo + qs[g * head_dim + 2 * i + 1] * hi
+            s = s if valid else float32(NEG_BIG)
+            mx = warp_max(s)
+            e = math.exp(s - mx) if valid else zero
+            ps[sp, g, lane] = e
+            total = warp_sum(e)
+            if lane == 0:
+                sm[sp, g] = mx
+                sl[sp, g] = total
+        cuda.syncthreads()  # ps
+        acc = cuda.local.array(gv, float32)
+        for i in range(gv):
+            acc[i] = zero
+        for k in range(npl):
+            j = r0 + k * rpw
+            for h2 in range(vec // 2):
+                lo, hi = unpack_h2(vv[4 * k + h2])
+                for g in range(group):
+                    w8 = ps[sp, g, j]
+                    acc[g * vec + 2 * h2] += w8 * lo
+                    acc[g * vec + 2 * h2 + 1] += w8 * hi
+        off = lpr  # the rows' partial sums: lanes lpr, 2 lpr, ... apart hold the same columns
+        while off < 32:
+            for i in range(gv):
+                acc[i] += shfl_xor(acc[i], off)
+            off *= 2
+        if r0 == 0:
+            for g in range(group):
+                for e in range(vec):
+                    sa[sp, g, d0 + e] = acc[g * vec + e]
+        cuda.syncthreads()  # sa, sm, sl: every split's partials
+        for it in range(oi):  # the same count for every thread (store_q8's reductions)
+            idx = tid + it * threads
+            mx, tot, val = merge_warps(sm, sl, sa, splits, min(idx // head_dim, group - 1), idx % head_dim)
+            v = val / tot
+            col = kvh * gd + idx
+            if mode == "f32":
+                if idx < gd:
+                    out[b, col] = v
+            else:  # head_dim % 32 == 0: a warp's 32 columns are one int8 block of one head
+                store_q8(v, idx < gd, out, xs, b, col // 32, idx % 32)
+
+    return attn_decode_lpm
+
+
+@functools.cache
+def attn_decode_lpm_kernel(head_dim, group, splits, mode):
+    return cuda.jit(make_attn_decode_lpm(head_dim, group, splits, mode))
+
+
+def attn_decode_lpm(spec, q, k_cache, v_cache, tables, seq_lens, out, xs, num_rows, mode, splits, stream=0) -> None:
+    """Decode attention of rows of at most `splits` x 32 positions in one launch (float16
+    pools): the same inputs and outputs as attn_decode_lp, without its scratch."""
+    if not 1 <= splits <= LPM_MAX_SPLITS:
+        raise ValueError(f"attn_decode_lpm covers 1 to {LPM_MAX_SPLITS} splits of {LP_SPLIT}, got {splits}")
+    scale = np.float32(1.0 / math.sqrt(spec.head_dim))
+    kernel = attn_decode_lpm_kernel(spec.head_dim, spec.group_size, splits, mode)
+    kernel[(num_rows, spec.num_kv_heads), 32 * splits, stream](q, k_cache, v_cache, tables, seq_lens, out, xs, scale)
+
+
 # -- decode in one launch ----------------------------------------------------------------------
 
 # One block per (row, KV head) walks the whole context and writes the final output: no split
@@ -959,6 +1103,13 @@ def ptx_cases():
             sig = (f2, cache, cache, i2, i1, f4, f4, types.float32)
             cases.append((f"attn_decode_lp_hd{hd}_g{group}_{kv_t}", make_attn_decode_lp(hd, group), sig))
             cases.append((f"attn_decode_lp_pre_hd{hd}_g{group}_{kv_t}", make_attn_decode_lp(hd, group, True), sig))
+    h16 = types.Array(types.float16, 4, "C")
+    for hd, group, splits, mode in ((32, 2, 2, "q8"), (64, 3, 8, "q8"), (128, 4, 8, "q8"), (128, 4, 6, "f32"),
+                                    (128, 2, 8, "f32")):  # fmt: skip
+        out_t = f2 if mode == "f32" else types.int8[:, ::1]
+        sig = (f2, h16, h16, i2, i1, out_t, f2, types.float32)
+        cases.append((f"attn_decode_lpm_{mode}_hd{hd}_g{group}_s{splits}", make_attn_decode_lpm(hd, group, splits, mode),
+                      sig))  # fmt: skip
     for hd in (64, 128):
         cases.append((f"attn_combine_f32_hd{hd}", make_attn_combine(hd, 256, "f32"), (f4, f4, i1, f2, f2)))
         cases.append((f"attn_combine_q8_hd{hd}", make_attn_combine(hd, 256, "q8"), (f4, f4, i1, types.int8[:, ::1], f2)))

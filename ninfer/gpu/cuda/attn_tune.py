@@ -7,7 +7,8 @@ For each model shape, rows bucket and context (every row that long, float16 KV i
 16, splits of 32 positions as the runner uses): one CUDA graph per path holding one launch
 per layer, each layer reading its own K/V pool (enough pools that a replay does not find the
 previous layer's K/V in L2, as in a decode step). Prints us per layer (median of replays) for
-`split`, `lp` (attention.attn_decode_lp, then the combine), for one row of at most 8 splits the split kernel merging in its last split (`merged
+`split`, `lp` (attention.attn_decode_lp, then the combine), `lpm` (attn_decode_lpm: lp's splits
+merged in one block, up to 8 splits), for one row of at most 8 splits the split kernel merging in its last split (`merged
 chN`: N positions per warp loaded together: attention.decode_chunk and twice that), each one-launch
 variant (warps x chunk), and whether `attention.use_one_launch`
 picks one launch for that (rows, context) bucket, so its limits can be set from the table.
@@ -84,7 +85,13 @@ def time_case(spec, rows: int, context: int, variants, mode: str, stream, rng, r
         for k, v in pools:
             attention.attn_decode_lp(spec, q, k, v, tables, lens, o_part, ml, out, xs, rows, mode, stream, splits)
 
+    def lpm_launch():
+        for k, v in pools:
+            attention.attn_decode_lpm(spec, q, k, v, tables, lens, out, xs, rows, mode, splits, stream)
+
     cases = [("split", split_launch(False)), ("lp", lp_launch)]
+    if splits <= attention.LPM_MAX_SPLITS and spec.head_dim in (32, 64, 128):  # the splits merged in the block
+        cases.append(("lpm", lpm_launch))
     if rows == 1 and splits <= attention.MERGE_UNROLL:  # the runner's merged path (forward.MERGE_IN_ATTENTION)
         auto = attention.decode_chunk(spec.head_dim)
         cases += [(f"merged ch{c}", split_launch(True, c)) for c in (auto, 2 * auto)]
@@ -138,8 +145,9 @@ def main(argv=None) -> int:
                 case = time_case(spec, rows, ctx, variants, args.mode, stream, rng, args.reps)
                 results += [dict(r, shape=shape) for r in case]
                 best = min(case[2:], key=lambda r: r["us"])
+                lpm = next((r["us"] for r in case if r["path"] == "lpm"), None)
                 print(json.dumps({"shape": shape, "rows": rows, "context": ctx, "split_us": case[0]["us"],
-                                  "lp_us": case[1]["us"],
+                                  "lp_us": case[1]["us"], "lpm_us": lpm,
                                   "best_one": best["path"], "best_one_us": best["us"],
                                   "speedup": round(case[0]["us"] / best["us"], 2),
                                   "one_chunks": -(-ctx // attention.one_launch_chunk(spec.head_dim)),

@@ -284,6 +284,11 @@ class Forward:
             # one launch or split + combine, by the bucket (rows, splits): fixed per graph key
             context = (plan.num_splits or b.o_part.shape[2]) * self.split_len
             one = attention.use_one_launch(spec.head_dim, spec.num_kv_heads, plan.num_rows, context)
+            if post is None and attention.use_lpm(spec.head_dim, self.split_len, plan.num_rows, context,
+                                                  self.k_pool.dtype):  # fmt: skip
+                attention.attn_decode_lpm(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
+                                          plan.num_rows, act, -(-context // attention.LP_SPLIT), stream)  # fmt: skip
+                return
             if post is None and attention.use_lp(spec.head_dim, self.split_len, plan.num_rows, context, one):
                 attention.attn_decode_lp(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
                                          b.ml_part, out, b.xs, plan.num_rows, act, stream, plan.num_splits or None)  # fmt: skip

@@ -295,6 +295,40 @@ if not SIMULATOR:
     ld8_pinned = _make_ld8("global", pinned=True)
     ld8_cg = _make_ld8("global.cg", pinned=True)  # from L2, never L1 (a line the kernel may hold stale)
 
+    @intrinsic
+    def ld8_h_words(typingctx, arr, i0, i1, i2, i3):
+        """arr[i0, i1, i2, i3 : i3 + 8] (float16, 16-byte aligned) as four uint32 words of two
+        halves each, unconverted (half the registers of ld8's floats: `unpack_h2` at use), in
+        one coherent, pinned 16-byte load (data a kernel before may have written, under PDL)."""
+        if not isinstance(arr, types.Array) or arr.dtype != types.float16:
+            return None
+        ret = types.UniTuple(types.uint32, 4)
+        sig = ret(arr, i0, i1, i2, i3)
+
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature, args)
+            st = ir.LiteralStructType([_I32] * 4)
+            res = _asm_call(builder, st, [ir.IntType(64)], "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                            [addr], side_effect=True)  # fmt: skip
+            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def unpack_h2(typingctx, word):
+        """(low half, high half) of a uint32 word of two float16, as float32."""
+        ret = types.UniTuple(types.float32, 2)
+        sig = ret(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            (v,) = _as_i32(context, builder, signature, args)
+            st = ir.LiteralStructType([_F32, _F32])
+            text = "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
+            res = _asm_call(builder, st, [_I32], text, "=f,=f,r", [v])
+            return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(2)])
+
+        return sig, codegen
+
     @cuda.jit(device=True, inline=True)
     def shfl_xor(v, off):
         """v of lane ^ off (the whole warp takes part)."""
@@ -466,6 +500,14 @@ else:
 
     ld8_pinned = ld8
     ld8_cg = ld8
+
+    def ld8_h_words(arr, i0, i1, i2, i3):
+        words = np.array([arr[i0, i1, i2, i3 + k] for k in range(8)], dtype=np.float16).view(np.uint32)
+        return tuple(uint32(w) for w in words)
+
+    def unpack_h2(word):
+        lo, hi = np.array([int(word) & _M32], dtype=np.uint32).view(np.float16)
+        return float32(lo), float32(hi)
 
     def shfl_xor(v, off):
         vals, lane = _warp_values(v)

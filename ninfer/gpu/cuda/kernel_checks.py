@@ -400,8 +400,9 @@ def _paged_case(spec, scale, rng, lengths, kv_t, page_size):
 
 def check_attn_decode(scale, rng):
     """Split + combine, and the one-launch kernel (both output modes, a few warp / chunk shapes:
-    several chunks per row, lane groups of 4 (head_dim 32), 8 (64) and 16 (128) lanes); then
-    both with rope.qkv_post folded in (`_check_decode_post`)."""
+    several chunks per row, lane groups of 4 (head_dim 32), 8 (64) and 16 (128) lanes), lanes
+    over positions with and without the in-block merge (float16 pools); then split and one
+    launch with rope.qkv_post folded in (`_check_decode_post`)."""
     tiny = scale == "tiny"
     for group, kv_t, mode, hd in ((2, np.float32, "f32", 32 if tiny else 128), (3, np.float16, "q8", 64)):
         spec = _spec(scale, num_heads=2 * group if tiny else 8 * group, num_kv_heads=2 if tiny else 8, head_dim=hd)
@@ -439,15 +440,17 @@ def check_attn_decode(scale, rng):
                 attention.attn_decode_one(spec, *args, out, xs, len(lengths), m, warps=warps, ch=ch)
                 _check_attn(out, xs, want, m, f"attn_decode_one g{group} hd{hd} warps {warps} ch {ch}")
     # lanes over positions at head_dim 128 (two warps a split, columns split between them),
-    # several splits whose positions span several pages
-    spec = _spec(scale, num_heads=8, num_kv_heads=2, head_dim=128)
-    lengths = [70, 5, 33] if tiny else [1, 300, 4000, 8192]
-    tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, np.float16, 4 if tiny else 16)
-    q = rng.standard_normal((len(lengths), spec.q_dim)).astype(np.float32)
-    args = (_dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)))
-    want = np.concatenate([attention.attention_ref(q[r : r + 1], *context(r), [n - 1], 4, 128)
-                           for r, n in enumerate(lengths)])  # fmt: skip
-    _check_decode_lp(spec, q, args, want, len(lengths), max(lengths), 4)
+    # several splits whose positions span several pages; at the real scale also the 8B's
+    # shape over the contexts attn_decode_lpm covers
+    cases = [(2, [70, 5, 33] if tiny else [1, 300, 4000, 8192])] + ([] if tiny else [(8, [1, 100, 200, 256])])
+    for kv_heads, lengths in cases:
+        spec = _spec(scale, num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=128)
+        tables, kc, vc, context = _paged_case(spec, scale, rng, lengths, np.float16, 4 if tiny else 16)
+        q = rng.standard_normal((len(lengths), spec.q_dim)).astype(np.float32)
+        args = (_dev(q), _dev(kc), _dev(vc), _dev(tables), _dev(np.array(lengths, np.int32)))
+        want = np.concatenate([attention.attention_ref(q[r : r + 1], *context(r), [n - 1], 4, 128)
+                               for r, n in enumerate(lengths)])  # fmt: skip
+        _check_decode_lp(spec, q, args, want, len(lengths), max(lengths), 4)
     # rope.qkv_post folded in (post=): llama, qwen2's bias, qwen3's q/k norm, interleaved pairs
     for i, (kw, inter, group, kv_t, hd) in enumerate((
         ({}, False, 2, np.float32, 32 if tiny else 128),
@@ -475,6 +478,20 @@ def _check_decode_lp(spec, q, args, want, rows, longest, group):
             _check_attn(out, xs, want, m, f"attn_decode_lp g{group} hd{spec.head_dim} {m} preload {pre}")
     finally:
         attention.LP_PRELOAD = preload
+    if args[1].dtype == np.float16 and longest <= attention.LPM_MAX_SPLITS * attention.LP_SPLIT:
+        _check_decode_lpm(spec, args, want, rows, longest, group)
+
+
+def _check_decode_lpm(spec, args, want, rows, longest, group):
+    """attention.attn_decode_lpm (a row's splits of 32 merged in one block) in both output
+    modes, over as many splits as the longest row needs and over one more (a warp past every
+    row: its positions all masked)."""
+    need = -(-longest // attention.LP_SPLIT)
+    for splits in (need, min(need + 1, attention.LPM_MAX_SPLITS)):
+        for m in ("f32", "q8"):
+            out, xs = _attn_out(spec, rows, m)
+            attention.attn_decode_lpm(spec, *args, out, xs, rows, m, splits)
+            _check_attn(out, xs, want, m, f"attn_decode_lpm g{group} hd{spec.head_dim} {m} splits {splits}")
 
 
 def _check_decode_post(spec, scale, rng, kv_t, inter, split_mode, one_mode):
@@ -852,7 +869,12 @@ def check_runner(scale, rng):
             one.forward.post_in_attention = True
             _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             one.close()
-            _check_runner_lp(model, spec, kv_t, rng, rtol)
+            # attn_decode_lp (splits of 32; chosen over the one-launch kernel the tiny shape would
+            # take), K / V loads after and before the PDL wait (in the replayed graph: racing the
+            # K / V write); then attn_decode_lpm (the splits merged in the block, float16 pools)
+            _check_runner_decode(model, spec, kv_t, rng, rtol, "attn_decode_lp",
+                                 [dict(LP_OVER_ONE=True, LP_PRELOAD=pre) for pre in (False, True)])  # fmt: skip
+            _check_runner_decode(model, spec, kv_t, rng, rtol, "attn_decode_lpm", [dict(LP_MERGED=True)])
             # the 8B path: no prologue fold, the epilogue folds instead (gemv_swiglu, and
             # gemv_rope where there is no q/k norm: a llama model too, which takes gemv_norm)
             llama = random_spec("tiny", arch="llama")
@@ -1003,26 +1025,29 @@ def _still_running(runner, pending, k) -> None:
         raise AssertionError(f"fed step {k}: the step before had ended when this one was staged")
 
 
-def _check_runner_lp(model, spec, kv_t, rng, rtol):
-    """One row whose decode attention is attn_decode_lp (splits of 32; chosen over the one-launch
-    kernel here, which the tiny shape would take), counted to be sure it ran."""
+def _check_runner_decode(model, spec, kv_t, rng, rtol, fn_name, settings):
+    """One row whose decode attention is `attention.<fn_name>` under each of `settings` (the
+    attention module's switches), counted to be sure it ran."""
     from ninfer.gpu.cuda.runner import CudaRunner
     from ninfer.gpu.reference import ReferenceRunner
 
     calls = []
-    lp, over, pre = attention.attn_decode_lp, attention.LP_OVER_ONE, attention.LP_PRELOAD
-    attention.attn_decode_lp = lambda *a, **kw: calls.append(1) or lp(*a, **kw)
-    attention.LP_OVER_ONE = True
+    fn = getattr(attention, fn_name)
+    saved = {k: getattr(attention, k) for s in settings for k in s}
+    setattr(attention, fn_name, lambda *a, **kw: calls.append(1) or fn(*a, **kw))
     try:
-        for preload in (False, True):  # in the replayed graph: K / V loads racing the K / V write
-            attention.LP_PRELOAD = preload
+        for s in settings:
+            for k, v in s.items():
+                setattr(attention, k, v)
             runner = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t)
             _compare_one_row(runner, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
             runner.close()
     finally:
-        attention.attn_decode_lp, attention.LP_OVER_ONE, attention.LP_PRELOAD = lp, over, pre
+        setattr(attention, fn_name, fn)
+        for k, v in saved.items():
+            setattr(attention, k, v)
     if not calls:
-        raise AssertionError("the lanes-over-positions decode attention was not taken")
+        raise AssertionError(f"the decode attention {fn_name} was not taken")
 
 
 def _compare_one_row(cuda_runner, ref_runner, spec, rng, rtol, steps=3):
