@@ -42,6 +42,7 @@ from ninfer.gpu.cuda.intrinsics import (
     uniform,
 )
 from ninfer.gpu.cuda.pdl import aware
+from ninfer.gpu.runner import MAX_TOP_LOGPROBS
 
 THREADS = 512  # the kernel needs ~71 registers: 1024 threads would exceed the 64k-register file
 FIXED_ONE = float64(2.0**40)
@@ -186,12 +187,15 @@ def logit_stats(logits, r, threads, plain, lo, hi):
 # The statistics pass over a large vocabulary is split over `stat_splits` blocks a row (one
 # round of STATS_UNROLL quads a thread each): every block stores its (max, sum) and folds its
 # best key into the row's by an atomic max, then counts itself in; the last block of the row
-# to count merges the partials and does the rest of the row alone (steps 2-7 and the top
-# log-probabilities), as one block did before. One block over Llama-3's 128,256 logits took
+# to count merges the partials and does the rest of the row alone (steps 2-7, and the top
+# log-probabilities from the splits' own top keys, which each split finds over its slice when
+# a row asks for them), as one block did before. One block over Llama-3's 128,256 logits took
 # 24.9 us on the H200 (sixth session), ~16 round trips a thread in sequence; split 16 ways
 # it is one round trip plus the fence / atomic tail. False: one block a row (A/B).
 SPLIT_STATS = True
 MAX_STAT_SPLITS = 32
+MAX_TOP = MAX_TOP_LOGPROBS
+_CANDIDATES = MAX_STAT_SPLITS * MAX_TOP  # the splits' top keys the last block picks from
 
 
 def stat_splits(vocab: int, threads: int) -> int:
@@ -210,16 +214,30 @@ def stat_slice(vocab, p, splits):
 
 def scratch(max_rows: int):
     """The statistics splits' scratch, zeroed: (max, sum) partials [rows, 1, MAX_STAT_SPLITS,
-    2], best keys [rows] and arrival counts [rows] (the last block of a row resets both)."""
+    2], best keys [rows] and arrival counts [rows] (the last block of a row resets both), and
+    each split's top keys [rows, MAX_STAT_SPLITS, MAX_TOP]."""
     return (cuda.to_device(np.zeros((max_rows, 1, MAX_STAT_SPLITS, 2), np.float32)),
-            cuda.to_device(np.zeros(max_rows, np.uint64)), cuda.to_device(np.zeros(max_rows, np.int32)))  # fmt: skip
+            cuda.to_device(np.zeros(max_rows, np.uint64)), cuda.to_device(np.zeros(max_rows, np.int32)),
+            cuda.to_device(np.zeros((max_rows, MAX_STAT_SPLITS, MAX_TOP), np.uint64)))  # fmt: skip
 
 
 @device
-def merge_stats(logits, r, threads, plain, part, keys, counters, fs, us, flag):
+def next_key(logits, r, lo, hi, prev, threads, us):
+    """The largest order key below `prev` among logits [lo, hi) of row r (0: none); block-wide."""
+    best = uint64(0)
+    for i in range(lo + cuda.threadIdx.x, hi, threads):
+        key = order_key(logits[r, i], i)
+        if key < prev:
+            best = max(best, key)
+    return block_max_u64(best, us)
+
+
+@device
+def merge_stats(logits, r, threads, plain, ntop, part, keys, counters, tops, fs, us, flag):
     """(last, max, sum of exp(x - max), best key) of row r: this block's share of the
     statistics pass, and where the row is split, the merge of every split's partials by the
-    last block of the row to arrive (`last`; the others stop there, their statistics unset)."""
+    last block of the row to arrive (`last`; the others stop there, their statistics unset).
+    A split block also stores its slice's top `ntop` order keys in tops[r, split]."""
     tid = cuda.threadIdx.x
     p = cuda.blockIdx.y
     splits = cuda.gridDim.y
@@ -230,12 +248,17 @@ def merge_stats(logits, r, threads, plain, part, keys, counters, fs, us, flag):
     if splits == 1:
         return True, big, total, block_max_u64(best, us)
     best = block_max_u64(best, us)
+    prev = uint64(0xFFFFFFFFFFFFFFFF)
+    for k in range(ntop):
+        prev = next_key(logits, r, lo, hi, prev, threads, us)
+        if tid == 0:
+            tops[r, p, k] = prev
     if tid == 0:
         part[r, 0, p, 0] = big
         part[r, 0, p, 1] = total
         if plain:
             cuda.atomic.max(keys, r, best)
-        cuda.threadfence()  # the partials and the key before the count
+        cuda.threadfence()  # the partials, the key and the top keys before the count
         flag[0] = int32(1) if cuda.atomic.add(counters, r, 1) == splits - 1 else int32(0)
     cuda.syncthreads()
     if flag[0] == 0:
@@ -262,7 +285,7 @@ def key_id(key):
 def make_sampler(threads: int = THREADS):
     @aware
     def sample_rows(logits, scores, fpar, ipar, seeds, pen_ids, pen_counts, masks, out_tok, out_lp, top_ids, top_lp,
-                    part, keys, counters):  # fmt: skip
+                    part, keys, counters, tops):  # fmt: skip
         grid_dep_launch()
         r = cuda.blockIdx.x
         tid = cuda.threadIdx.x
@@ -276,7 +299,8 @@ def make_sampler(threads: int = THREADS):
         flag = cuda.shared.array(1, int32)
         # 1. raw log-softmax statistics (and, when plain, the arg-max on the way): one pass,
         # split over the row's blocks; the last of them to finish goes on alone
-        last, big, total, best = merge_stats(logits, r, threads, plain, part, keys, counters, fs, us, flag)
+        last, big, total, best = merge_stats(logits, r, threads, plain, ipar[r, 1], part, keys, counters, tops, fs, us,
+                                             flag)  # fmt: skip
         if not last:
             return
         log_total = math.log(total)
@@ -330,15 +354,26 @@ def make_sampler(threads: int = THREADS):
         if tid == 0:
             out_tok[r] = tok
             out_lp[r] = logits[r, tok] - big - log_total
-        # top log-probabilities of the raw distribution, best first, ties to the lower id
+        # top log-probabilities of the raw distribution, best first, ties to the lower id: from
+        # the splits' own top keys where the row is split (the row's top k are among them)
+        ntop = ipar[r, 1]
+        splits = cuda.gridDim.y
+        nc = splits * ntop
+        cand = cuda.shared.array(_CANDIDATES, types.uint64)
+        if splits > 1 and ntop > 0:
+            for c in range(tid, nc, threads):  # other blocks' stores: an atomic read is coherent
+                cand[c] = cuda.atomic.max(tops, (r, c // ntop, c % ntop), uint64(0))
+            cuda.syncthreads()
         prev = uint64(0xFFFFFFFFFFFFFFFF)
-        for k in range(ipar[r, 1]):
-            best = uint64(0)
-            for i in range(tid, vocab, threads):
-                key = order_key(logits[r, i], i)
-                if key < prev:
-                    best = max(best, key)
-            prev = block_max_u64(best, us)
+        for k in range(ntop):
+            if splits > 1:
+                best = uint64(0)
+                for c in range(tid, nc, threads):
+                    if cand[c] < prev:
+                        best = max(best, cand[c])
+                prev = block_max_u64(best, us)
+            else:
+                prev = next_key(logits, r, 0, vocab, prev, threads, us)
             if tid == 0:
                 t = key_id(prev)
                 top_ids[r, k] = t
@@ -354,7 +389,7 @@ def sampler_kernel(threads: int = THREADS):
 
 def sample(bufs, num_rows: int, stream=0, threads: int = THREADS, splits: int | None = None) -> None:
     """Launch over `num_rows` rows; `bufs` holds the arrays named in the kernel signature (the
-    last three: `scratch`). `splits`: blocks a row's statistics pass takes (stat_splits)."""
+    last four: `scratch`). `splits`: blocks a row's statistics pass takes (stat_splits)."""
     splits = splits or stat_splits(bufs[0].shape[1], threads)
     if not 1 <= splits <= min(MAX_STAT_SPLITS, threads):  # the merge: a thread a split, into the scratch
         raise ValueError(f"{splits} statistics splits: 1 to {min(MAX_STAT_SPLITS, threads)} at {threads} threads")
@@ -390,5 +425,5 @@ def ptx_cases():
     f2 = types.float32[:, ::1]
     i1, i2 = types.int32[::1], types.int32[:, ::1]
     sig = (f2, f2, f2, i2, types.uint64[:, ::1], i1, i1, types.uint32[:, ::1], i1, types.float32[::1], i2, f2,
-           types.float32[:, :, :, ::1], types.uint64[::1], i1)  # fmt: skip
+           types.float32[:, :, :, ::1], types.uint64[::1], i1, types.uint64[:, :, ::1])  # fmt: skip
     return [("sample_rows", make_sampler(), sig)]
