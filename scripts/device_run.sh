@@ -68,7 +68,7 @@ if has profile; then
   timeout ${PROFILE8B_S:-120} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --streams 1,16 --steps 10 2>&1 | grep -v "uploading weights" | tee -a "$OUT/profile.txt"
 fi
 if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch kind, then A/B variants
-  timeout ${STEPS8B_S:-400} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
+  timeout ${STEPS8B_S:-540} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
     --streams 1 --rounds 2 --steps 20 --remove qkv,attention,combine,o,norm,gate_up,down,head,sampler \
     --variant "split:gemv.ONE_ROW_SPLIT=True" \
     --variant "split12:gemv.ONE_ROW_SPLIT=True; gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (1, 2)}" --variant "wide22:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 2)}" \
