@@ -417,6 +417,31 @@ def lp_warps(head_dim: int) -> int:
     return max(1, head_dim // LP_COLS)
 
 
+@device
+def split_softmax(s, valid):
+    """One split's softmax over a warp whose lane i holds position i's score `s`: (max, this
+    lane's exp(s - max), 0 past the row, and their sum over the warp)."""
+    s = s if valid else float32(NEG_BIG)
+    mx = warp_max(s)
+    e = math.exp(s - mx) if valid else float32(0.0)
+    return mx, e, warp_sum(e)
+
+
+def _make_rows_sum(n: int, lpr: int):
+    """Device function: acc[0:n] summed over the lanes lpr, 2 lpr, ... apart (the P V pass's
+    rows of the same columns), every lane getting the sums."""
+
+    @device
+    def rows_sum(acc):
+        off = lpr
+        while off < 32:
+            for i in range(n):
+                acc[i] += shfl_xor(acc[i], off)
+            off *= 2
+
+    return rows_sum
+
+
 def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
     """`preload`: K / V of every position but the newest load before the grid dependency wait
     (PDL), on the read-only path (no kernel in flight writes them); the newest after it."""
@@ -430,6 +455,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
     npl = 32 // rpw  # positions a lane accumulates in the P V pass
     gd = group * head_dim
     gv = group * vec
+    rows_sum = _make_rows_sum(gv, lpr)
     nv = npl * vec
     threads = 32 * nw
     # preloaded K / V are read-only while this kernel lives; otherwise the newest position may
@@ -527,11 +553,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
             s = part[0, g, lane]
             for w in range(1, nw):
                 s += part[w, g, lane]
-            s = s if valid else float32(NEG_BIG)
-            mx = warp_max(s)
-            e = math.exp(s - mx) if valid else zero
-            mg[g] = mx
-            lg[g] = warp_sum(e)
+            mg[g], e, lg[g] = split_softmax(s, valid)
             if warp == 0:
                 ps[g, lane] = e
         cuda.syncthreads()  # ps
@@ -544,11 +566,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
                 w8 = ps[g, j]
                 for e in range(vec):
                     acc[g * vec + e] += w8 * vv[k * vec + e]
-        off = lpr  # the rows' partial sums: lanes lpr, 2 lpr, ... apart hold the same columns
-        while off < 32:
-            for i in range(gv):
-                acc[i] += shfl_xor(acc[i], off)
-            off *= 2
+        rows_sum(acc)  # the rows' partial sums: lanes lpr, 2 lpr, ... apart hold the same columns
         for g in range(group):
             h = kvh * group + g
             if r0 == 0:
@@ -613,6 +631,7 @@ def make_attn_decode_lpm(head_dim: int, group: int, splits: int, mode: str):
     vw = npl * vec // 2  # V words of a lane
     gd = group * head_dim
     gv = group * vec
+    rows_sum = _make_rows_sum(gv, lpr)
     threads = 32 * splits
     oi = -(-gd // threads)  # outputs a thread writes
 
@@ -664,11 +683,8 @@ def make_attn_decode_lpm(head_dim: int, group: int, splits: int, mode: str):
             for i in range(kw):  # kk's index is constant once this inner loop is unrolled
                 lo, hi = unpack_h2(kk[i])
                 s += qs[g * head_dim + 2 * i] * lo + qs[g * head_dim + 2 * i + 1] * hi
-            s = s if valid else float32(NEG_BIG)
-            mx = warp_max(s)
-            e = math.exp(s - mx) if valid else zero
+            mx, e, total = split_softmax(s, valid)
             ps[sp, g, lane] = e
-            total = warp_sum(e)
             if lane == 0:
                 sm[sp, g] = mx
                 sl[sp, g] = total
@@ -684,11 +700,7 @@ def make_attn_decode_lpm(head_dim: int, group: int, splits: int, mode: str):
                     w8 = ps[sp, g, j]
                     acc[g * vec + 2 * h2] += w8 * lo
                     acc[g * vec + 2 * h2 + 1] += w8 * hi
-        off = lpr  # the rows' partial sums: lanes lpr, 2 lpr, ... apart hold the same columns
-        while off < 32:
-            for i in range(gv):
-                acc[i] += shfl_xor(acc[i], off)
-            off *= 2
+        rows_sum(acc)  # the rows' partial sums: lanes lpr, 2 lpr, ... apart hold the same columns
         if r0 == 0:
             for g in range(group):
                 for e in range(vec):
