@@ -171,6 +171,19 @@ def memcpy_htod(dst_dev, src_host, nbytes: int, stream) -> None:
                                        stream_handle(stream)))  # fmt: skip
 
 
+def memcpy2d_htod(dst_dev, src_host, width: int, stream) -> None:
+    """Async copy of the first `width` bytes of every row of a pinned 2-D host array into the
+    device array of the same shape (one copy node when captured, whatever the row count)."""
+    if not width:
+        return
+    c = driver.CUDA_MEMCPY2D()
+    c.srcMemoryType, c.srcHost, c.srcPitch = driver.CUmemorytype.CU_MEMORYTYPE_HOST, src_host.ctypes.data, src_host.strides[0]
+    c.dstMemoryType = driver.CUmemorytype.CU_MEMORYTYPE_DEVICE
+    c.dstDevice, c.dstPitch = dst_dev.__cuda_array_interface__["data"][0], dst_dev.strides[0]
+    c.WidthInBytes, c.Height = width, src_host.shape[0]
+    check(driver.cuMemcpy2DAsync(c, stream_handle(stream)))
+
+
 def memcpy_dtoh(dst_host, src_dev, nbytes: int, stream) -> None:
     if nbytes:
         check(driver.cuMemcpyDtoHAsync(dst_host.ctypes.data, src_dev.__cuda_array_interface__["data"][0], nbytes,

@@ -194,13 +194,14 @@ def upload(bufs: StepBuffers, staged: Staged, stream) -> None:
     forward pass and `download` together, so a captured graph replays all three: a decode
     step costs the host one graph launch and one synchronisation."""
     r, h = staged.num_rows, staged.num_sampled
-    pairs = [(bufs.tok_in, bufs.h_tok, None), (bufs.row_in, bufs.h_row, None), (bufs.tables, bufs.h_tables, r)]
+    _copy_up_cols(bufs.tok_in, bufs.h_tok, staged.num_tokens, stream)  # the bucket's tokens, not all alloc_tokens
+    pairs = [(bufs.row_in, bufs.h_row, None), (bufs.tables, bufs.h_tables, r)]
     if h:
         pairs += [(bufs.fpar, bufs.h_fpar, h), (bufs.ipar, bufs.h_ipar, h), (bufs.seeds, bufs.h_seeds, h)]
-    if staged.num_tiles:
-        pairs.append((bufs.tiles_in, bufs.h_tiles, None))
     for dev, host, n in pairs:
         _copy_up(dev, host, n, stream)
+    if staged.num_tiles:
+        _copy_up_cols(bufs.tiles_in, bufs.h_tiles, staged.num_tiles, stream)
 
 
 def download(bufs: StepBuffers, staged: Staged, stream) -> None:
@@ -219,6 +220,16 @@ def _copy_up(dev, host, n, stream):
 
     rows = host.shape[0] if n is None else n
     memcpy_htod(dev, host, rows * (host.nbytes // host.shape[0]), stream)
+
+
+def _copy_up_cols(dev, host, cols: int, stream):
+    """Copy the first `cols` columns of a 2-D host mirror to its device array."""
+    if SIMULATOR:
+        dev.copy_to_device(host)
+        return
+    from ninfer.gpu.cuda.graphs import memcpy2d_htod
+
+    memcpy2d_htod(dev, host, cols * host.itemsize, stream)
 
 
 def _head_specs(rows, batch: list[Piece], staged: Staged) -> list:
