@@ -970,17 +970,20 @@ def _decode_streams(runner, spec, prompts, steps: int, ahead: bool, overlapped: 
     out = []
     if ahead:
         _hold(runner)
+        since = _num_graphs(runner)  # the graphs there were when `pending` was submitted
         pending = runner.submit(rows_at(-1, prompts))
         for k in range(steps):
             _hold(runner)
-            graphs = _num_graphs(runner)
+            before = _num_graphs(runner)
             nxt = runner.submit(rows_at(k, None), feed=True)
-            # fed on the device (one sub-step each), no capture in between (it outlasts the hold)
-            if len(pending.state) == len(nxt.state) == 1 and _num_graphs(runner) == graphs:
+            # fed on the device (one sub-step each), and no capture since `pending` was
+            # submitted: a capture (eager run, then one per mirror set) outlasts the hold, so
+            # the step queued before it, or during it, has ended by the time it returns
+            if len(pending.state) == len(nxt.state) == 1 and _num_graphs(runner) == since:
                 _still_running(runner, pending, k)
                 overlapped.append(k)
             out.append(runner.collect(pending))
-            pending = nxt
+            pending, since = nxt, before
         out.append(runner.collect(pending))
         return out
     out.append(runner.step(rows_at(-1, prompts)))
@@ -993,7 +996,8 @@ def _decode_streams(runner, spec, prompts, steps: int, ahead: bool, overlapped: 
 # the fed steps would never be staged while the step before runs. A spin kernel queued before
 # each submit holds the stream (a few ms), and after each fed submit the step before must
 # still be running: its staging and launch overlapped that step, as in the engine on a large
-# model. (Unrun on a GPU when written: the ninth session had none.)
+# model. Steps submitted in or before a capture are not asked (the eleventh session's first GPU
+# run asked the step submitted with the capture, which had ended during it).
 HOLD_ITERS = 1 << 22
 
 
