@@ -264,6 +264,10 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, prefetch: bool
 SWIGLU_GROUPS = 32  # lane groups of a gemv_swiglu block: one 32-column int8 block of h
 SWIGLU_LANES = 2 if SIMULATOR else 8
 SWIGLU_UNROLL = 2
+# rows of >= WIDE_BLOCKS int8 blocks (an 8B model's 4,096): all four of a lane's first loads
+# before the PDL wait; 8B Q8_0 one stream on an H100 (12th session): -0.10 ms a step alone,
+# and part of the -0.27 ms of this + WIDE_SHAPE Q8_0 (2, 4) + ONE_ROW_SPLIT
+SWIGLU_WIDE_UNROLL = 4
 ROPE_UNROLL = 2  # two rows a group (the pair): (2, 2) timed best for the 8B QKV in Q4_1 and Q8_0
 
 
@@ -466,13 +470,14 @@ def gemv_swiglu(w, xa, xs, q_out, s_out, stream=0, lanes: int | None = None, nor
     lanes = lanes or SWIGLU_LANES
     num_f = w.rows // 2
     grid = (1, -(-num_f // SWIGLU_GROUPS))
+    unroll = SWIGLU_WIDE_UNROLL if w.num_blocks >= WIDE_BLOCKS else SWIGLU_UNROLL
     if fold is not None:
         x, nwt, eps = fold
-        kernel = gemv_swiglu_kernel(w.qtype, lanes, SWIGLU_UNROLL, w.cols)
+        kernel = gemv_swiglu_kernel(w.qtype, lanes, unroll, w.cols)
         kernel[grid, SWIGLU_GROUPS * lanes, stream](*w.planes, x, nwt, num_f, w.num_blocks, q_out, s_out,
                                                     *_norm_args((nwt[0], -1, eps), None))  # fmt: skip
         return
-    kernel = gemv_swiglu_kernel(w.qtype, lanes, SWIGLU_UNROLL)
+    kernel = gemv_swiglu_kernel(w.qtype, lanes, unroll)
     kernel[grid, SWIGLU_GROUPS * lanes, stream](*w.planes, xa, xs, num_f, w.num_blocks, q_out, s_out,
                                                 *_norm_args(norm, xs[0]))  # fmt: skip
 
@@ -770,14 +775,16 @@ TALL_ROWS = 65536  # from this many rows up, one row per lane group
 # rows of >= 4,096 columns (an 8B model's linears): of 11 shapes gemv_tune timed on the H200
 # (2026-12-03, fourth session), the least time over the four 8B linears together
 WIDE_BLOCKS = 128
-WIDE_SHAPE = {"Q4_0": (2, 2), "Q4_1": (2, 2), "Q8_0": (1, 4)}
+# (Q8_0 was (1, 4) until the 12th session: in the 8B Q8_0 step on an H100, (2, 4) took 0.16 ms
+# off (3.606 vs 3.773 ms), (2, 2) 0.12, (2, 8) 0.09, (4, 4) 0.06; (4, 2) lost 0.04)
+WIDE_SHAPE = {"Q4_0": (2, 2), "Q4_1": (2, 2), "Q8_0": (2, 4)}
 # One weight row per lane group (Q8_0's wide shape, the tall LM head) through the split loop,
 # which issues an iteration's weight loads before the PDL wait (`make_gemv` split): with (1, 4)
 # a lane's whole share of an 8B O row loads while the attention before it runs. The plain
-# kernel (False) waits first; WIDE_SHAPE was timed on single kernels, before PDL, where the
-# wait costs nothing. Unmeasured in the step (no GPU in the ninth session): A/B it with
-# `profile --variant "split:gemv.ONE_ROW_SPLIT=True"` before turning it on.
-ONE_ROW_SPLIT = False
+# kernel (False) waits first. 8B Q8_0 step on an H100 (12th session): -0.07 ms with the old
+# (1, 4) wide shape; with (2, 4) it only reaches the LM head, where it is neutral (3.606 /
+# 3.625 vs 3.612 / 3.605 ms). On, as measured with SWIGLU_WIDE_UNROLL (the whole set: 3.500 ms).
+ONE_ROW_SPLIT = True
 
 
 def lanes_for(num_blocks: int) -> int:
@@ -814,7 +821,9 @@ def gemv(w, xa, xs, out, res, num_m: int, mode: str, stream=0, lanes: int | None
     if prefetch is not None:
         pf = prefetch
     lanes = lanes or auto_lanes
-    split = (ONE_ROW_SPLIT if split is None else split) and rpg == 1  # rpg > 1 takes it anyway
+    # rpg > 1 takes the split loop anyway; other launches have none (one key, one compile)
+    split = ONE_ROW_SPLIT if split is None else split
+    split = split and rpg == 1 and mode == "q8" and num_m == 1 and w.qtype in WLOAD
     rows_per_block = (THREADS // 32) * (32 // lanes) * rpg
     grid = (-(-num_m // MGROUP), (w.rows + rows_per_block - 1) // rows_per_block)
     kernel = gemv_kernel(w.qtype, mode, lanes, bucket_m(num_m), rpg, unroll, pf, split)
@@ -862,9 +871,10 @@ def ptx_cases():
         f1, i1, i8, cache = types.float32[::1], types.int32[::1], types.int8[:, ::1], types.float16[:, :, :, ::1]
         norm = (f1, types.int64, types.float32)  # the consumer's (sums, slot, eps)
         swiglu_sig = (*plane_types(qtype), u2, f2, int32, int32, i8, f2, *norm)
-        cases.append((f"gemv_swiglu_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL), swiglu_sig))
+        for u in (SWIGLU_UNROLL, SWIGLU_WIDE_UNROLL):
+            cases.append((f"gemv_swiglu_{qtype}_u{u}", _make_gemv_swiglu(qtype, SWIGLU_LANES, u), swiglu_sig))
         fold_sig = (*plane_types(qtype), f2, f2, int32, int32, i8, f2, *norm)  # x and the norm weight
-        cases.append((f"gemv_swiglu_fold_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_UNROLL, 4096),
+        cases.append((f"gemv_swiglu_fold_{qtype}", _make_gemv_swiglu(qtype, SWIGLU_LANES, SWIGLU_WIDE_UNROLL, 4096),
                       fold_sig))  # fmt: skip
         rope_sig = (*plane_types(qtype), u2, f2, int32, f1, types.boolean, f2, f2, i1, i1, i1, f2, cache, cache, int32,
                     int32, *norm)  # fmt: skip

@@ -152,8 +152,9 @@ def check_gemv_epilogue(scale, rng):
     (`_check_gemv_norm`)."""
     tiny = scale == "tiny"
     for i, q in enumerate(("Q4_0", "Q4_1", "Q8_0")):
-        cols = 64 if tiny else (4096, 14336, 4096)[i]
-        f = 64 if tiny else 2048
+        # tiny Q8_0: rows of WIDE_BLOCKS int8 blocks, so gemv_swiglu takes SWIGLU_WIDE_UNROLL there too
+        cols = (64, 64, 32 * gemv.WIDE_BLOCKS)[i] if tiny else (4096, 14336, 4096)[i]
+        f = (64, 64, 32)[i] if tiny else 2048
         t = random_stored(q, 2 * f, cols, rng)
         w = _weight(pack_tensor(t))
         for rep in range(3):
