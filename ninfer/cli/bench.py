@@ -11,8 +11,8 @@ kernels and capture the CUDA graphs:
   time to first token (TTFT) is that step's time;
 * floor: the bytes one decode step must read (the layers' and the head's weights once, not
   the embedding table a step gathers a few rows of, + the streams' KV) over the
-  device-to-device copy bandwidth (4,070 GB/s measured on the H200), and the fraction of it
-  achieved.
+  device-to-device copy bandwidth, measured on the GPU at hand (1 GiB copies; elsewhere the
+  H200's 4,070 GB/s), and the fraction of it achieved.
 
 Anchors (llama.cpp on one H200 with SmolLM2-135M-Instruct Q4_1, DEVICE.md) are printed as
 ratios when `--anchors llamacpp-h200` is given.
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                                               lookahead=not args.no_lookahead))  # fmt: skip
     for length in args.prompt_lens:
         results["prefill"].append(bench_prefill(runner, length, args.repeats, rng))
+    results["copy_gb_s"], results["copy_measured"] = _copy_bandwidth(backend) / 1e9, backend == "cuda"
     runner.close()
     _add_floor(results, model.spec if hasattr(model, "spec") else model[0], runner)
     print(format_table(results, ANCHORS.get(args.anchors)))
@@ -192,13 +193,23 @@ def bench_prefill(runner, length: int, repeats: int, rng) -> dict:
     return {"prompt": length, "seconds": t, "tok_s": length / t, "ttft_ms": 1e3 * t}
 
 
+def _copy_bandwidth(backend: str) -> float:
+    """The floor's bytes a second: this GPU's measured copy bandwidth, else the H200's."""
+    if backend == "cuda":
+        from ninfer.gpu.cuda.bandwidth import copy_bandwidth
+
+        return copy_bandwidth() or COPY_BANDWIDTH_BYTES_S
+    return COPY_BANDWIDTH_BYTES_S
+
+
 def _add_floor(results: dict, spec, runner) -> None:
-    """Bytes per decode step: the weights once, plus each stream's K and V so far."""
+    """Bytes per decode step: the weights once, plus each stream's K and V so far, over the
+    copy bandwidth (results["copy_gb_s"])."""
     kv_item = getattr(runner, "kv_dtype", np.dtype(np.float32)).itemsize
     weights = results["weight_bytes"]
     for d in results["decode"]:
         kv = d["streams"] * spec.kv_bytes_per_token(kv_item) * (d["context"] - d["tokens"] / 2)
-        floor_s = (weights + kv) / COPY_BANDWIDTH_BYTES_S
+        floor_s = (weights + kv) / (results.get("copy_gb_s", COPY_BANDWIDTH_BYTES_S / 1e9) * 1e9)
         d["floor_ms_per_step"] = 1e3 * floor_s
         d["floor_tok_s"] = d["streams"] / floor_s
         d["fraction_of_floor"] = floor_s / (d["seconds"] / d["tokens"])
@@ -207,7 +218,9 @@ def _add_floor(results: dict, spec, runner) -> None:
 
 def format_table(results: dict, anchors: dict | None) -> str:
     lines = [f"model {results['model']}  backend {results['backend']}  weights {results['weight_bytes'] / 1e6:.1f} MB"
-             f"  lookahead {'on' if results.get('lookahead') else 'off'}"]
+             f"  lookahead {'on' if results.get('lookahead') else 'off'}"
+             f"  floor at {results.get('copy_gb_s', COPY_BANDWIDTH_BYTES_S / 1e9):,.0f} GB/s"
+             f" ({'copy measured here' if results.get('copy_measured') else 'H200 copy, DEVICE.md'})"]
     lines.append("decode  streams   tok/s  ms/step  floor tok/s  of floor   GB/s" + ("   vs anchor" if anchors else ""))
     for d in results["decode"]:
         line = (f"        {d['streams']:7d} {d['tok_s']:7.0f} {d['ms_per_step']:8.3f} {d.get('floor_tok_s', 0):12.0f}"
