@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
                                               lookahead=not args.no_lookahead))  # fmt: skip
     for length in args.prompt_lens:
         results["prefill"].append(bench_prefill(runner, length, args.repeats, rng))
-    results["copy_gb_s"], results["copy_measured"] = _copy_bandwidth(backend) / 1e9, backend == "cuda"
+    measured = _measured_copy_bandwidth(backend)
+    results["copy_gb_s"], results["copy_measured"] = (measured or COPY_BANDWIDTH_BYTES_S) / 1e9, measured is not None
     runner.close()
     _add_floor(results, model.spec if hasattr(model, "spec") else model[0], runner)
     print(format_table(results, ANCHORS.get(args.anchors)))
@@ -193,13 +194,13 @@ def bench_prefill(runner, length: int, repeats: int, rng) -> dict:
     return {"prompt": length, "seconds": t, "tok_s": length / t, "ttft_ms": 1e3 * t}
 
 
-def _copy_bandwidth(backend: str) -> float:
-    """The floor's bytes a second: this GPU's measured copy bandwidth, else the H200's."""
-    if backend == "cuda":
-        from ninfer.gpu.cuda.bandwidth import copy_bandwidth
+def _measured_copy_bandwidth(backend: str) -> float | None:
+    """This GPU's copy bandwidth (bytes a second); None without one (the floor then takes the H200's)."""
+    if backend != "cuda":
+        return None
+    from ninfer.gpu.cuda.bandwidth import copy_bandwidth
 
-        return copy_bandwidth() or COPY_BANDWIDTH_BYTES_S
-    return COPY_BANDWIDTH_BYTES_S
+    return copy_bandwidth()
 
 
 def _add_floor(results: dict, spec, runner) -> None:
@@ -209,7 +210,7 @@ def _add_floor(results: dict, spec, runner) -> None:
     weights = results["weight_bytes"]
     for d in results["decode"]:
         kv = d["streams"] * spec.kv_bytes_per_token(kv_item) * (d["context"] - d["tokens"] / 2)
-        floor_s = (weights + kv) / (results.get("copy_gb_s", COPY_BANDWIDTH_BYTES_S / 1e9) * 1e9)
+        floor_s = (weights + kv) / (results["copy_gb_s"] * 1e9)
         d["floor_ms_per_step"] = 1e3 * floor_s
         d["floor_tok_s"] = d["streams"] / floor_s
         d["fraction_of_floor"] = floor_s / (d["seconds"] / d["tokens"])
@@ -219,7 +220,7 @@ def _add_floor(results: dict, spec, runner) -> None:
 def format_table(results: dict, anchors: dict | None) -> str:
     lines = [f"model {results['model']}  backend {results['backend']}  weights {results['weight_bytes'] / 1e6:.1f} MB"
              f"  lookahead {'on' if results.get('lookahead') else 'off'}"
-             f"  floor at {results.get('copy_gb_s', COPY_BANDWIDTH_BYTES_S / 1e9):,.0f} GB/s"
+             f"  floor at {results['copy_gb_s']:,.0f} GB/s"
              f" ({'copy measured here' if results.get('copy_measured') else 'H200 copy, DEVICE.md'})"]
     lines.append("decode  streams   tok/s  ms/step  floor tok/s  of floor   GB/s" + ("   vs anchor" if anchors else ""))
     for d in results["decode"]:

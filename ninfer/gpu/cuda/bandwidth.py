@@ -29,5 +29,4 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float | None:
         end.record()
         end.synchronize()
         best = min(best, cuda.event_elapsed_time(start, end) / 1e3)
-    del src, dst
     return 2 * nbytes / best
