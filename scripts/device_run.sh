@@ -2,7 +2,7 @@
 # Run THERE (the GPU machine), in the repository root: install the carried wheels, stage the
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
-# STAGES: comma-separated among dmon, tune, attn, ncu, timeline, profile, steps8b, checks, bench, bench8b, tests
+# STAGES: comma-separated among dmon, tune, attn, ncu, timeline, trace, profile, steps8b, checks, bench, bench8b, tests
 #         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
@@ -61,6 +61,16 @@ if has timeline; then  # one 8B Q8_0 decode graph replay under Nsight Systems, k
   else
     echo "timeline: no nsys on this machine" | tee "$OUT/timeline.txt"
   fi
+fi
+if has trace; then  # the 8B Q8_0 one-stream step kernel by kernel through CUPTI (.whl/trace: cupti-python + libcupti)
+  if [ -d .whl/trace ] && [ ! -f /tmp/cupti/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/cupti .whl/trace/*.whl \
+      && touch /tmp/cupti/.done
+  fi
+  PYTHONPATH=$PYTHONPATH:/tmp/cupti LD_LIBRARY_PATH=/tmp/cupti/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} \
+    timeout ${TRACE_S:-240} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
+    --streams 1 --rounds 1 --steps 20 --trace ${TRACE_REPS:-10} --variant "default:" ${TRACE_VARIANTS:-} \
+    --json "$OUT/trace.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/trace.txt"
 fi
 if has profile; then
   MODEL_ARG=${NINFER_TEST_GGUF:-}

@@ -85,6 +85,20 @@ def _graph_time(runner, bucket, reps: int = 50) -> float:
     return statistics.median(times)
 
 
+def trace_decode(runner, streams: int, label: str, reps: int) -> dict:
+    """CUPTI's kernel timeline of `reps` replays of the decode graph last captured for `streams`
+    (trace.py), printed with one middle stretch of nodes."""
+    from ninfer.gpu.cuda import trace
+
+    rows = min(1 << (streams - 1).bit_length(), runner.limits.max_rows)
+    key = _decode_key(runner, rows)
+    steps = trace.record_replays(lambda: runner._graphs.replay(key), runner.stream.synchronize, reps)
+    s = trace.summarize(steps)
+    n = len(s["nodes"])
+    trace.print_summary(f"{label} streams {streams}", s, (n // 2, n // 2 + 12))
+    return s
+
+
 def _ncu_replays(runner, streams, prompt_len) -> int:
     from cuda.bindings import driver
 
@@ -190,7 +204,7 @@ def removal_variants(kinds: str) -> list[str]:
     return ["all:"] + [f"no {k}:remove({k!r})" for k in names]
 
 
-def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict]:
+def _variants(runner, variants, streams, prompt_len, steps, rounds, trace_reps=0) -> list[dict]:
     """Each variant's code runs over the modules' default switches (upper-case globals) and
     functions (`_patchable`), both restored first; then the forward is rebuilt and every graph
     dropped, so the variant is captured anew. The code may call remove(KIND) (REMOVABLE) or
@@ -222,6 +236,8 @@ def _variants(runner, variants, streams, prompt_len, steps, rounds) -> list[dict
                 print(f"{label} (round {rnd + 1}) streams {s}: step wall {r['wall_ms']:.4f} ms, graph on GPU "
                       f"{_ms(r['graph_gpu_ms'])} ({r['graph_nodes']} nodes, {r['programmatic_edges']} programmatic edges)",
                       flush=True)  # fmt: skip
+                if trace_reps:
+                    r["trace"] = trace_decode(runner, s, label, trace_reps)
     restore()
     _print_removals(results)
     return results
@@ -262,6 +278,9 @@ def main(argv=None) -> int:
                    "replay each stream count's decode graph once between cuProfilerStart / Stop")  # fmt: skip
     p.add_argument("--prefill", type=int, default=0, help="with --ncu: profile one prefill of this many tokens "
                    "instead of the decode graphs")  # fmt: skip
+    p.add_argument("--trace", type=int, default=0, metavar="REPS",
+                   help="after each variant (or the plain run): REPS replays of the decode graph under CUPTI, "
+                        "each kernel's end-to-end increment (needs cupti-python)")  # fmt: skip
     args = p.parse_args(argv)
     variants = (removal_variants(args.remove) if args.remove else []) + args.variant
     from ninfer.gpu.cuda.random_model import random_model, random_spec
@@ -281,12 +300,14 @@ def main(argv=None) -> int:
     if args.ncu:
         return _ncu_replays(runner, streams, args.prompt)
     if variants:  # each variant's line is printed as it finishes
-        results = _variants(runner, variants, streams, args.prompt, args.steps, args.rounds)
+        results = _variants(runner, variants, streams, args.prompt, args.steps, args.rounds, args.trace)
     else:
         results = [profile_streams(runner, s, args.prompt, args.steps) for s in streams]
         for r in results:
             print(f"streams {r['streams']}: step wall {r['wall_ms']:.3f} ms, graph on GPU {r['graph_gpu_ms']} ms "
                   f"({r['graph_nodes']} nodes, {r['programmatic_edges']} programmatic edges)")  # fmt: skip
+            if args.trace:
+                r["trace"] = trace_decode(runner, r["streams"], "default", args.trace)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
