@@ -382,6 +382,8 @@ def attn_decode(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, ou
 # for the ids, one for K / V. The partials merge in attn_combine, as for `attn_decode`.
 LP_SPLIT = 32
 LP_COLS = 64  # head_dim columns a warp covers: its V share is 32 x 64 / 32 = 64 floats a lane
+# (8B Q8_0 one stream, H100, 13th session, with PRELOAD and evict-first weights: 32 columns
+# 3.209 / 3.206 ms a step, 16 columns 3.209 / 3.206, 64 columns 3.161 / 3.156)
 
 
 # When it is taken, from attn_tune on the H200 (2026-12-04, docs/performance.md; us a layer, lp
@@ -393,7 +395,16 @@ LP_COLS = 64  # head_dim columns a warp covers: its V share is 32 x 64 / 32 = 64
 # 36.0 one launch, 37.2 split). More than 16 rows are unmeasured and keep split + combine.
 LP_MAX_ROWS = 16
 LP_OVER_ONE = False  # A/B and checks: take it wherever it is supported, one launch included
-LP_PRELOAD = False  # K / V loads before the PDL wait (make_attn_decode_lp `preload`)
+# K / V loads before the PDL wait (make_attn_decode_lp `preload`). 8B Q8_0 one stream, H100,
+# graph ms (13th session): neutral alone while the GEMVs' weights swept the KV out of L2 (3.296
+# vs 3.301), but with those weights loaded evict-first (qdot.EVICT_FIRST) 3.161 / 3.156 vs
+# 3.262 / 3.286: the early loads then hit L2.
+LP_PRELOAD = True
+# the pools' page size compiled into attn_decode_lp (False: read at run time). The run-time
+# divisor made every position // page_size and % page_size a call to the 64-bit division
+# routines (12 KB of the kernel's 58 KB of code); 8B Q8_0 one stream, H100 (13th session):
+# 3.326 / 3.324 vs 3.429 / 3.450 ms a step.
+LP_CONST_PAGE = True
 
 
 def use_lp(head_dim: int, split_len: int, num_rows: int, context: int, one_launch: bool) -> bool:
@@ -413,8 +424,8 @@ def lp_supported(head_dim: int, split_len: int) -> bool:
     return split_len == LP_SPLIT and (head_dim in (32, 64) or head_dim % LP_COLS == 0)
 
 
-def lp_warps(head_dim: int) -> int:
-    return max(1, head_dim // LP_COLS)
+def lp_warps(head_dim: int, cols: int | None = None) -> int:
+    return max(1, head_dim // (cols or LP_COLS))
 
 
 @device
@@ -442,13 +453,16 @@ def _make_rows_sum(n: int, lpr: int):
     return rows_sum
 
 
-def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
+def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_size: int = 16,
+                        cols: int | None = None):
     """`preload`: K / V of every position but the newest load before the grid dependency wait
-    (PDL), on the read-only path (no kernel in flight writes them); the newest after it."""
+    (PDL), on the read-only path (no kernel in flight writes them); the newest after it.
+    `page_size`: the pools' (a compile-time constant: position // page_size and % page_size
+    are shifts and masks, not calls to the 64-bit division routines; 0: read at run time)."""
     if not lp_supported(head_dim, LP_SPLIT):
         raise ValueError(f"the lanes-over-positions decode attention needs head_dim 32, 64 or a multiple of 64, got {head_dim}")
     vec = ONE_VEC
-    nw = lp_warps(head_dim)
+    nw = lp_warps(head_dim, cols)
     cols = head_dim // nw  # a warp's columns
     lpr = cols // vec  # lanes over one V row (and 16-byte pieces of a warp's K columns)
     rpw = 32 // lpr  # V rows a warp loads at once
@@ -463,15 +477,14 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
     load = ld8 if preload else ld8_pinned
 
     @device
-    def lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk):
+    def lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk, psz):
         """The lane's V rows (P V pass) and its position's K columns, positions below `lim`
         (others read as zeros from page 0: table entries past a row are stale or unset)."""
         zero = float32(0.0)
-        page_size = k_cache.shape[1]
         for k in range(npl):  # V first: its latency overlaps the K pass
             pj = start + r0 + k * rpw
             ok = pj < lim
-            v0, v1, v2, v3, v4, v5, v6, v7 = load(v_cache, vpg[k] if ok else 0, pj % page_size, kvh, d0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = load(v_cache, vpg[k] if ok else 0, pj % psz, kvh, d0)
             vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
             vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
             vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
@@ -491,18 +504,18 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
-        page_size = k_cache.shape[1]
         last_t = tables.shape[1] - 1
+        psz = page_size if page_size > 0 else k_cache.shape[1]
         start = sp * LP_SPLIT
         c0 = warp * cols  # this warp's columns
         r0 = lane // lpr  # the P V pass: this lane's first row and its 8 columns
         d0 = c0 + (lane % lpr) * vec
         # page ids first, clamped to the table; they do not wait for seq_lens (lp_loads reads page 0
         # for positions past the row: entries past a row's pages are stale or unset)
-        page = tables[b, min((start + lane) // page_size, last_t)]
+        page = tables[b, min((start + lane) // psz, last_t)]
         vpg = cuda.local.array(npl, int32)
         for k in range(npl):
-            vpg[k] = tables[b, min((start + r0 + k * rpw) // page_size, last_t)]
+            vpg[k] = tables[b, min((start + r0 + k * rpw) // psz, last_t)]
         n = seq_lens[b]  # tables and seq_lens are step inputs: no kernel writes them
         newest = n - 1  # the position the kernel before (QKV + K / V write) is writing now
         zero = float32(0.0)
@@ -510,12 +523,12 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
         kk = cuda.local.array(nv, float32)  # the K row's columns of this warp at this lane's position
         p = start + lane
         valid = p < n
-        slot = p % page_size
+        slot = p % psz
         # every K / V load of the split before any arithmetic; with `preload` before the grid
         # dependency wait too (PDL), but for the newest position, loaded after it
         lim = newest if preload else n
         if preload:
-            lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk)
+            lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk, psz)
         grid_dep_wait()  # q (and the pools' newest position) come from the kernels before
         qs = cuda.shared.array(gd, float32)
         part = cuda.shared.array((nw, group, LP_SPLIT), float32)
@@ -530,7 +543,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
             for k in range(npl):
                 pj = start + r0 + k * rpw
                 if pj == newest:
-                    v0, v1, v2, v3, v4, v5, v6, v7 = ld8_cg(v_cache, vpg[k], pj % page_size, kvh, d0)
+                    v0, v1, v2, v3, v4, v5, v6, v7 = ld8_cg(v_cache, vpg[k], pj % psz, kvh, d0)
                     vv[k * vec + 0], vv[k * vec + 1], vv[k * vec + 2], vv[k * vec + 3] = v0, v1, v2, v3
                     vv[k * vec + 4], vv[k * vec + 5], vv[k * vec + 6], vv[k * vec + 7] = v4, v5, v6, v7
             if p == newest:
@@ -539,7 +552,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
                     kk[c * vec + 0], kk[c * vec + 1], kk[c * vec + 2], kk[c * vec + 3] = k0, k1, k2, k3
                     kk[c * vec + 4], kk[c * vec + 5], kk[c * vec + 6], kk[c * vec + 7] = k4, k5, k6, k7
         else:
-            lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk)
+            lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk, psz)
         for g in range(group):
             sg = float32(0.0)
             for i in range(nv):  # kk's index is constant once this inner loop is unrolled
@@ -579,9 +592,11 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False):
     return attn_decode_lp
 
 
+
+
 @functools.cache
-def attn_decode_lp_kernel(head_dim, group, preload=False):
-    return cuda.jit(make_attn_decode_lp(head_dim, group, preload))
+def attn_decode_lp_kernel(head_dim, group, preload=False, page_size=16, cols=None):
+    return cuda.jit(make_attn_decode_lp(head_dim, group, preload, page_size, cols))
 
 
 def attn_decode_lp(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, out, xs, num_rows, mode, stream=0,
@@ -591,8 +606,9 @@ def attn_decode_lp(spec, q, k_cache, v_cache, tables, seq_lens, o_part, ml_part,
     max_splits, hd | 2] scratch; `num_splits` must cover the longest row)."""
     max_splits = min(num_splits or o_part.shape[2], o_part.shape[2])
     scale = np.float32(1.0 / math.sqrt(spec.head_dim))
-    kernel = attn_decode_lp_kernel(spec.head_dim, spec.group_size, LP_PRELOAD)
-    kernel[(num_rows, spec.num_kv_heads, max_splits), 32 * lp_warps(spec.head_dim), stream](
+    kernel = attn_decode_lp_kernel(spec.head_dim, spec.group_size, LP_PRELOAD,
+                                  k_cache.shape[1] if LP_CONST_PAGE else 0, LP_COLS)
+    kernel[(num_rows, spec.num_kv_heads, max_splits), 32 * lp_warps(spec.head_dim, LP_COLS), stream](
         q, k_cache, v_cache, tables, seq_lens, o_part, ml_part, scale
     )
     attn_combine_kernel(spec.head_dim, LP_SPLIT, mode)[(num_rows, spec.num_heads), spec.head_dim, stream](

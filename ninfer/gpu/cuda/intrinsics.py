@@ -68,8 +68,9 @@ if not SIMULATOR:
 
         return sig, codegen
 
-    def _make_ld4(elem_type, elem_ir, reg, ptx_type, space="global.nc", pinned=False):
-        """A 16-byte load; `pinned`: a side-effecting asm that stays where the source puts it."""
+    def _make_ld4(elem_type, elem_ir, reg, ptx_type, space="global.nc", pinned=False, evict_first=False):
+        """A 16-byte load; `pinned`: a side-effecting asm that stays where the source puts it;
+        `evict_first`: its L2 lines are the first to go (a stream read once a step: weights)."""
 
         @intrinsic
         def ld4(typingctx, arr, row, col):
@@ -85,6 +86,9 @@ if not SIMULATOR:
                 addr = builder.ptrtoint(ptr, ir.IntType(64))
                 st = ir.LiteralStructType([elem_ir] * 4)
                 text = f"ld.{space}.v4.{ptx_type} {{$0,$1,$2,$3}}, [$4];"
+                if evict_first:
+                    text = ("{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+                            f"ld.{space}.L2::cache_hint.v4.{ptx_type} {{$0,$1,$2,$3}}, [$4], pol; }}")
                 cons = f"={reg},={reg},={reg},={reg},l"
                 res = _asm_call(builder, st, [ir.IntType(64)], text, cons, [addr], side_effect=pinned)
                 return context.make_tuple(builder, ret, [builder.extract_value(res, i) for i in range(4)])
@@ -94,6 +98,7 @@ if not SIMULATOR:
         return ld4
 
     ld4_u32 = _make_ld4(types.uint32, _I32, "r", "u32")
+    ld4_u32_stream = _make_ld4(types.uint32, _I32, "r", "u32", evict_first=True)
     ld4_f32 = _make_ld4(types.float32, _F32, "f", "f32")
     # a coherent load that ptxas keeps on its side of a barrier (the `.nc` one may move across
     # bar.sync; the GEMM needs its activation loads issued before the barrier and the mma)
@@ -391,6 +396,7 @@ else:
 
     ld4_f32_pinned = ld4_f32
     ld4_u32_pinned = ld4_u32
+    ld4_u32_stream = ld4_u32
 
     def ld_f32_cg(arr, i0, i1, i2, i3):
         return float32(arr[i0, i1, i2, i3])

@@ -15,10 +15,21 @@ quarter of an integer instruction instead of the ~7 a float unpack-and-multiply 
 
 from __future__ import annotations
 
+import os
+
 from numba import float32, int32, uint32
 
 from ninfer.gpu.cuda.dequant import LOW_NIBBLES, k4_scale_min, spread_bits4
-from ninfer.gpu.cuda.intrinsics import device, dp4a, ld2_f32_pinned, ld4_u32, ld4_u32_pinned, ld_h2
+from ninfer.gpu.cuda.intrinsics import device, dp4a, ld2_f32_pinned, ld4_u32, ld4_u32_pinned, ld4_u32_stream, ld_h2
+
+# Weight loads mark their L2 lines evict-first: a GEMV reads its matrix once a step, and
+# without the hint a one-row decode step's ~8 GB (8B Q8_0) sweep the 50 MB L2 clear of what is
+# read again soon (the KV pages, activations, kernel code). 8B Q8_0 one stream, H100 (13th
+# session, graph ms): 3.262 / 3.286 vs 3.326 / 3.324, and 3.161 / 3.156 with attention's
+# LP_PRELOAD, whose early K / V loads then hit L2. Fixed at import (device functions compile
+# once): NINFER_WEIGHTS_EVICT_FIRST=0 turns it off for an A/B in another process.
+EVICT_FIRST = os.environ.get("NINFER_WEIGHTS_EVICT_FIRST", "1") != "0"
+ld4_w = ld4_u32_stream if EVICT_FIRST else ld4_u32  # a weight load (16 bytes)
 
 _L = uint32(LOW_NIBBLES)
 
@@ -54,7 +65,7 @@ def act_block(xq, xs, m, blk):
 @device
 def nib_words(qs, row, blk):
     """A 16-byte nibble block as eight words of bytes 0..15 (low nibbles first)."""
-    w0, w1, w2, w3 = ld4_u32(qs, row, 4 * blk)
+    w0, w1, w2, w3 = ld4_w(qs, row, 4 * blk)
     four = uint32(4)
     return (w0 & _L, w1 & _L, w2 & _L, w3 & _L,
             (w0 >> four) & _L, (w1 >> four) & _L, (w2 >> four) & _L, (w3 >> four) & _L)  # fmt: skip
@@ -63,7 +74,7 @@ def nib_words(qs, row, blk):
 @device
 def q5_words(qs, aux, row, blk):
     """A Q5 block's eight words: nibbles plus the fifth bits from `aux`."""
-    w0, w1, w2, w3 = ld4_u32(qs, row, 4 * blk)
+    w0, w1, w2, w3 = ld4_w(qs, row, 4 * blk)
     h = uint32(aux[row, blk])
     four = uint32(4)
     f = uint32(0xF)
@@ -115,8 +126,8 @@ def wdot_q5_1(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, s
 
 @device
 def wdot_q8_0(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, sx):
-    w0, w1, w2, w3 = ld4_u32(qs, row, 8 * blk)
-    w4, w5, w6, w7 = ld4_u32(qs, row, 8 * blk + 4)
+    w0, w1, w2, w3 = ld4_w(qs, row, 8 * blk)
+    w4, w5, w6, w7 = ld4_w(qs, row, 8 * blk + 4)
     s = dot8(w0, w1, w2, w3, w4, w5, w6, w7, a0, a1, a2, a3, a4, a5, a6, a7)
     return float32(d16[row, blk]) * dx * float32(s)
 
@@ -127,8 +138,8 @@ def wdot_q4_k(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, s
     s = blk & 7
     base = 32 * sb + 8 * (s >> 1)
     shift = uint32(4 * (s & 1))
-    w0, w1, w2, w3 = ld4_u32(qs, row, base)
-    w4, w5, w6, w7 = ld4_u32(qs, row, base + 4)
+    w0, w1, w2, w3 = ld4_w(qs, row, base)
+    w4, w5, w6, w7 = ld4_w(qs, row, base + 4)
     isum = dot8(
         (w0 >> shift) & _L, (w1 >> shift) & _L, (w2 >> shift) & _L, (w3 >> shift) & _L,
         (w4 >> shift) & _L, (w5 >> shift) & _L, (w6 >> shift) & _L, (w7 >> shift) & _L,
@@ -159,10 +170,10 @@ def wdot_q6_k(qs, d16, aux, sc8, row, blk, a0, a1, a2, a3, a4, a5, a6, a7, dx, s
     s = blk & 7
     n = s >> 2
     g = s & 3
-    l0, l1, l2, l3 = ld4_u32(qs, row, 32 * sb + 16 * n + 8 * (g & 1))
-    l4, l5, l6, l7 = ld4_u32(qs, row, 32 * sb + 16 * n + 8 * (g & 1) + 4)
-    h0, h1, h2, h3 = ld4_u32(aux, row, 16 * sb + 8 * n)
-    h4, h5, h6, h7 = ld4_u32(aux, row, 16 * sb + 8 * n + 4)
+    l0, l1, l2, l3 = ld4_w(qs, row, 32 * sb + 16 * n + 8 * (g & 1))
+    l4, l5, l6, l7 = ld4_w(qs, row, 32 * sb + 16 * n + 8 * (g & 1) + 4)
+    h0, h1, h2, h3 = ld4_w(aux, row, 16 * sb + 8 * n)
+    h4, h5, h6, h7 = ld4_w(aux, row, 16 * sb + 8 * n + 4)
     sl = uint32(4 * (g >> 1))
     sh = uint32(2 * g)
     lo = dp4a(q6_word(l0, h0, sl, sh), a0, 0)
@@ -206,20 +217,20 @@ QDOT = {q: _make_qdot(f) for q, f in WDOT.items()}
 
 @device
 def wload_q4_0(qs, d16, row, blk, W, S, i):
-    W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3] = ld4_u32(qs, row, 4 * blk)
+    W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3] = ld4_w(qs, row, 4 * blk)
     S[2 * i] = float32(d16[row, blk])
 
 
 @device
 def wload_q4_1(qs, d16, row, blk, W, S, i):
-    W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3] = ld4_u32(qs, row, 4 * blk)
+    W[4 * i], W[4 * i + 1], W[4 * i + 2], W[4 * i + 3] = ld4_w(qs, row, 4 * blk)
     S[2 * i], S[2 * i + 1] = ld_h2(d16, row, 2 * blk)
 
 
 @device
 def wload_q8_0(qs, d16, row, blk, W, S, i):
-    W[8 * i], W[8 * i + 1], W[8 * i + 2], W[8 * i + 3] = ld4_u32(qs, row, 8 * blk)
-    W[8 * i + 4], W[8 * i + 5], W[8 * i + 6], W[8 * i + 7] = ld4_u32(qs, row, 8 * blk + 4)
+    W[8 * i], W[8 * i + 1], W[8 * i + 2], W[8 * i + 3] = ld4_w(qs, row, 8 * blk)
+    W[8 * i + 4], W[8 * i + 5], W[8 * i + 6], W[8 * i + 7] = ld4_w(qs, row, 8 * blk + 4)
     S[2 * i] = float32(d16[row, blk])
 
 
