@@ -592,8 +592,6 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
     return attn_decode_lp
 
 
-
-
 @functools.cache
 def attn_decode_lp_kernel(head_dim, group, preload=False, page_size=16, cols=None):
     return cuda.jit(make_attn_decode_lp(head_dim, group, preload, page_size, cols))
