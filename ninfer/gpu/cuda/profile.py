@@ -50,12 +50,16 @@ def profile_streams(runner, streams: int, prompt_len: int, steps: int) -> dict:
         toks = [t.token_id for t in runner.step(_rows(runner, streams, pos, toks))]
         walls.append(time.perf_counter() - t0)
         pos += 1
-    rows = min(1 << (streams - 1).bit_length(), runner.limits.max_rows)
-    key = _decode_key(runner, rows)
+    key = _decode_key(runner, _bucket_rows(runner, streams))
     gpu_graph = _graph_time(runner, key) if key is not None else None
     return {"streams": streams, "context": pos, "wall_ms": 1e3 * statistics.median(walls), "graph_gpu_ms": gpu_graph,
             "graph_nodes": _nodes(runner, key) if gpu_graph is not None else None,
             "programmatic_edges": runner._graphs.programmatic.get(key) if gpu_graph is not None else None}  # fmt: skip
+
+
+def _bucket_rows(runner, streams: int) -> int:
+    """The decode graphs' row bucket that `streams` rows fall in."""
+    return min(1 << (streams - 1).bit_length(), runner.limits.max_rows)
 
 
 def _nodes(runner, key):
@@ -90,8 +94,7 @@ def trace_decode(runner, streams: int, label: str, reps: int) -> dict:
     (trace.py), printed with one middle stretch of nodes."""
     from ninfer.gpu.cuda import trace
 
-    rows = min(1 << (streams - 1).bit_length(), runner.limits.max_rows)
-    key = _decode_key(runner, rows)
+    key = _decode_key(runner, _bucket_rows(runner, streams))
     steps = trace.record_replays(lambda: runner._graphs.replay(key), runner.stream.synchronize, reps)
     s = trace.summarize(steps)
     n = len(s["nodes"])
@@ -108,7 +111,7 @@ def _ncu_replays(runner, streams, prompt_len) -> int:
         toks = [t.token_id for t in runner.step(_rows(runner, s, 0, last))]
         for k in range(3):  # compile, capture, replay once
             toks = [t.token_id for t in runner.step(_rows(runner, s, prompt_len + k, toks))]
-        rows = min(1 << (s - 1).bit_length(), runner.limits.max_rows)
+        rows = _bucket_rows(runner, s)
         runner.stream.synchronize()
         driver.cuProfilerStart()
         runner._graphs.replay(_decode_key(runner, rows))
@@ -282,6 +285,12 @@ def main(argv=None) -> int:
                    help="after each variant (or the plain run): REPS replays of the decode graph under CUPTI, "
                         "each kernel's end-to-end increment (needs cupti-python)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.trace:
+        import importlib.util
+
+        if importlib.util.find_spec("cupti") is None:  # before minutes of loading and capture
+            p.error("--trace needs cupti-python (and libcupti) matched to the driver's CUDA: "
+                    "scripts/device_prepare.sh downloads them into .whl/trace")  # fmt: skip
     variants = (removal_variants(args.remove) if args.remove else []) + args.variant
     from ninfer.gpu.cuda.random_model import random_model, random_spec
     from ninfer.gpu.cuda.runner import CudaRunner

@@ -54,21 +54,16 @@ def record_replays(replay, sync, reps: int) -> list[list[Kernel]]:
     try:
         for _ in range(reps):
             sync()
-            t0 = _gpu_now(cupti)
+            t0 = cupti.get_timestamp()  # ns, the activity records' clock
             replay()
             sync()
-            bounds.append((t0, _gpu_now(cupti)))
+            bounds.append((t0, cupti.get_timestamp()))
     finally:
         cupti.activity_flush_all(1)
         cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
     kernels = sorted((Kernel(pdl.python_name(n) or n, a, b) for n, a, b in _RECORDS), key=lambda k: (k.start, k.end))
     _RECORDS.clear()
     return [[k for k in kernels if lo <= k.start <= hi] for lo, hi in bounds]
-
-
-def _gpu_now(cupti) -> int:
-    """CUPTI's timestamp (ns), the clock of the activity records."""
-    return cupti.get_timestamp()
 
 
 def summarize(steps: list[list[Kernel]]) -> dict:
