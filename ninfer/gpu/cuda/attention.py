@@ -35,7 +35,7 @@ from numba import cuda, float32, int32, types, uint32
 from ninfer.gpu.cuda.act_quant import store_q8
 from ninfer.gpu.cuda.intrinsics import (
     SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, ld4_f32_pinned, ld8, ld8_cg, ld8_h_words,
-    ld8_pinned, ld_f32_cg, shfl_xor, unpack_h2, warp_max, warp_sum,
+    ld8_pinned, ld_f32_cg, shfl_xor, st8_f32, unpack_h2, warp_max, warp_sum,
 )
 from ninfer.gpu.cuda.pdl import aware
 from ninfer.gpu.cuda.rope import DecodePost, decode_post_fn, post_arg_types
@@ -64,47 +64,34 @@ MERGE_UNROLL = 8  # splits whose partials one merge step loads before using any
 
 
 @device
-def _ld(arr, i0, i1, i2, i3):
-    return arr[i0, i1, i2, i3]
-
-
-def _make_merge(coherent: bool):
-    """Device function: element e of head h of row b merged over its `ns` splits (o_part,
-    ml_part) by an online softmax. The partials of MERGE_UNROLL splits are loaded before any
-    is used, so a merge waits one round trip per 8 splits, not one per split. `coherent`: the
-    partials were written by other blocks of the same kernel (read from L2: ld_f32_cg)."""
-    load = ld_f32_cg if coherent else _ld
+def _merge(o_part, ml_part, b, h, e, ns):
+    """Element e of head h of row b merged over its `ns` splits (o_part, ml_part) by an online
+    softmax. The partials of MERGE_UNROLL splits are loaded before any is used, so a merge
+    waits one round trip per 8 splits, not one per split (from L2: the kernel before wrote
+    them, under PDL)."""
     mu = MERGE_UNROLL
-
-    @device
-    def merge(o_part, ml_part, b, h, e, ns):
-        mx = float32(NEG_BIG)
-        tot = float32(0.0)
-        val = float32(0.0)
-        ms = cuda.local.array(mu, float32)
-        ls = cuda.local.array(mu, float32)
-        os_ = cuda.local.array(mu, float32)
-        last = ns - 1
-        for s0 in range(0, ns, mu):
-            for j in range(mu):
-                sp = min(s0 + j, last)
-                ms[j] = load(ml_part, b, h, sp, 0)
-                ls[j] = load(ml_part, b, h, sp, 1)
-                os_[j] = load(o_part, b, h, sp, e)
-            for j in range(mu):
-                if s0 + j <= last:
-                    m_new = max(mx, ms[j])
-                    c = math.exp(mx - m_new)
-                    f = math.exp(ms[j] - m_new)
-                    tot = tot * c + ls[j] * f
-                    val = val * c + os_[j] * f
-                    mx = m_new
-        return val / tot
-
-    return merge
-
-
-_merge_plain = _make_merge(False)
+    mx = float32(NEG_BIG)
+    tot = float32(0.0)
+    val = float32(0.0)
+    ms = cuda.local.array(mu, float32)
+    ls = cuda.local.array(mu, float32)
+    os_ = cuda.local.array(mu, float32)
+    last = ns - 1
+    for s0 in range(0, ns, mu):
+        for j in range(mu):
+            sp = min(s0 + j, last)
+            ms[j] = ld_f32_cg(ml_part, b, h, sp, 0)
+            ls[j] = ld_f32_cg(ml_part, b, h, sp, 1)
+            os_[j] = ld_f32_cg(o_part, b, h, sp, e)
+        for j in range(mu):
+            if s0 + j <= last:
+                m_new = max(mx, ms[j])
+                c = math.exp(mx - m_new)
+                f = math.exp(ms[j] - m_new)
+                tot = tot * c + ls[j] * f
+                val = val * c + os_[j] * f
+                mx = m_new
+    return val / tot
 
 
 def _make_block_merge(group: int, head_dim: int, threads: int, mode: str):
@@ -320,7 +307,7 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
         n = seq_lens[b]  # a step input (no kernel writes it): read before the PDL wait
         grid_dep_wait()
         ns = (n + split_len - 1) // split_len
-        v = _merge_plain(o_part, ml_part, b, h, e, ns)
+        v = _merge(o_part, ml_part, b, h, e, ns)
         col = h * head_dim + e
         if mode == "f32":
             out[b, col] = v
@@ -453,6 +440,34 @@ def _make_rows_sum(n: int, lpr: int):
     return rows_sum
 
 
+def _page_split(page_size: int):
+    """Device functions (position -> page index, position -> slot) for a page size compiled
+    in (`page_size` > 0; shift and mask where it is a power of two) or read at run time (0:
+    the functions' second argument). Positions are >= 0: a shift equals the floor division."""
+    if page_size > 0 and page_size & (page_size - 1) == 0:
+        sh, mask = page_size.bit_length() - 1, page_size - 1
+
+        @device
+        def page_of(p, psz):
+            return p >> sh
+
+        @device
+        def slot_of(p, psz):
+            return p & mask
+
+        return page_of, slot_of
+
+    @device
+    def page_div(p, psz):
+        return p // psz
+
+    @device
+    def slot_mod(p, psz):
+        return p % psz
+
+    return page_div, slot_mod
+
+
 def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_size: int = 16,
                         cols: int | None = None):
     """`preload`: K / V of every position but the newest load before the grid dependency wait
@@ -472,9 +487,11 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
     rows_sum = _make_rows_sum(gv, lpr)
     nv = npl * vec
     threads = 32 * nw
+    q_rounds = -(-gd // (4 * threads))
     # preloaded K / V are read-only while this kernel lives; otherwise the newest position may
     # still be in flight from the kernel before when it starts (pdl.py): coherent loads
     load = ld8 if preload else ld8_pinned
+    page_of, slot_of = _page_split(page_size)
 
     @device
     def lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk, psz):
@@ -484,7 +501,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
         for k in range(npl):  # V first: its latency overlaps the K pass
             pj = start + r0 + k * rpw
             ok = pj < lim
-            v0, v1, v2, v3, v4, v5, v6, v7 = load(v_cache, vpg[k] if ok else 0, pj % psz, kvh, d0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = load(v_cache, vpg[k] if ok else 0, slot_of(pj, psz), kvh, d0)
             vv[k * vec + 0], vv[k * vec + 1] = (v0, v1) if ok else (zero, zero)
             vv[k * vec + 2], vv[k * vec + 3] = (v2, v3) if ok else (zero, zero)
             vv[k * vec + 4], vv[k * vec + 5] = (v4, v5) if ok else (zero, zero)
@@ -512,10 +529,10 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
         d0 = c0 + (lane % lpr) * vec
         # page ids first, clamped to the table; they do not wait for seq_lens (lp_loads reads page 0
         # for positions past the row: entries past a row's pages are stale or unset)
-        page = tables[b, min((start + lane) // psz, last_t)]
+        page = tables[b, uint32(min(page_of(start + lane, psz), last_t))]
         vpg = cuda.local.array(npl, int32)
         for k in range(npl):
-            vpg[k] = tables[b, min((start + r0 + k * rpw) // psz, last_t)]
+            vpg[k] = tables[b, uint32(min(page_of(start + r0 + k * rpw, psz), last_t))]
         n = seq_lens[b]  # tables and seq_lens are step inputs: no kernel writes them
         newest = n - 1  # the position the kernel before (QKV + K / V write) is writing now
         zero = float32(0.0)
@@ -523,7 +540,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
         kk = cuda.local.array(nv, float32)  # the K row's columns of this warp at this lane's position
         p = start + lane
         valid = p < n
-        slot = p % psz
+        slot = slot_of(p, psz)
         # every K / V load of the split before any arithmetic; with `preload` before the grid
         # dependency wait too (PDL), but for the newest position, loaded after it
         lim = newest if preload else n
@@ -533,9 +550,11 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
         qs = cuda.shared.array(gd, float32)
         part = cuda.shared.array((nw, group, LP_SPLIT), float32)
         ps = cuda.shared.array((group, LP_SPLIT), float32)
-        for i in range(4 * tid, gd, 4 * threads):  # the group's q, scaled, in 16-byte loads
-            a0, a1, a2, a3 = ld4_f32_pinned(q, b, kvh * gd + i)
-            qs[i], qs[i + 1], qs[i + 2], qs[i + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
+        for it in range(q_rounds):  # the group's q, scaled, in 16-byte loads
+            i = uint32(4 * tid + it * 4 * threads)
+            if i < gd:
+                a0, a1, a2, a3 = ld4_f32_pinned(q, b, uint32(kvh * gd) + i)
+                qs[i], qs[i + 1], qs[i + 2], qs[i + 3] = a0 * scale, a1 * scale, a2 * scale, a3 * scale
         if start >= n:  # the whole block
             return
         cuda.syncthreads()  # qs
@@ -543,7 +562,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
             for k in range(npl):
                 pj = start + r0 + k * rpw
                 if pj == newest:
-                    v0, v1, v2, v3, v4, v5, v6, v7 = ld8_cg(v_cache, vpg[k], pj % psz, kvh, d0)
+                    v0, v1, v2, v3, v4, v5, v6, v7 = ld8_cg(v_cache, vpg[k], slot_of(pj, psz), kvh, d0)
                     vv[k * vec + 0], vv[k * vec + 1], vv[k * vec + 2], vv[k * vec + 3] = v0, v1, v2, v3
                     vv[k * vec + 4], vv[k * vec + 5], vv[k * vec + 6], vv[k * vec + 7] = v4, v5, v6, v7
             if p == newest:
@@ -555,26 +574,27 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
             lp_loads(k_cache, v_cache, vpg, page, slot, p, start, r0, kvh, c0, d0, lim, vv, kk, psz)
         for g in range(group):
             sg = float32(0.0)
+            q0 = uint32(g * head_dim + c0)
             for i in range(nv):  # kk's index is constant once this inner loop is unrolled
-                sg += qs[g * head_dim + c0 + i] * kk[i]
-            part[warp, g, lane] = sg
+                sg += qs[q0 + i] * kk[i]
+            part[uint32(warp), g, uint32(lane)] = sg
         cuda.syncthreads()  # part
         # the split's softmax per head (every warp, redundantly): (max, sum) over the warp
         mg = cuda.local.array(group, float32)
         lg = cuda.local.array(group, float32)
         for g in range(group):
-            s = part[0, g, lane]
+            s = part[0, g, uint32(lane)]
             for w in range(1, nw):
-                s += part[w, g, lane]
+                s += part[w, g, uint32(lane)]
             mg[g], e, lg[g] = split_softmax(s, valid)
             if warp == 0:
-                ps[g, lane] = e
+                ps[g, uint32(lane)] = e
         cuda.syncthreads()  # ps
         acc = cuda.local.array(gv, float32)
         for i in range(gv):
             acc[i] = zero
         for k in range(npl):
-            j = r0 + k * rpw
+            j = uint32(r0 + k * rpw)
             for g in range(group):
                 w8 = ps[g, j]
                 for e in range(vec):
@@ -583,8 +603,9 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
         for g in range(group):
             h = kvh * group + g
             if r0 == 0:
-                for e in range(vec):
-                    o_part[b, h, sp, d0 + e] = acc[g * vec + e]
+                a = g * vec
+                st8_f32(o_part, b, h, sp, d0, (acc[a], acc[a + 1], acc[a + 2], acc[a + 3], acc[a + 4], acc[a + 5],
+                                               acc[a + 6], acc[a + 7]))  # fmt: skip
             if tid == 0:
                 ml_part[b, h, sp, 0] = mg[g]
                 ml_part[b, h, sp, 1] = lg[g]

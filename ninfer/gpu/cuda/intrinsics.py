@@ -109,9 +109,21 @@ if not SIMULATOR:
     # kernels read predecessors' outputs with these coherent, pinned loads; weights stay `.nc`.
     ld4_u32_pinned = _make_ld4(types.uint32, _I32, "r", "u32", space="global", pinned=True)
 
-    def _elem_addr(context, builder, signature, args):
+    def _elem_addr(context, builder, signature, args, idx32=False):
+        """The address of arr[i0, i1, ...] (no wraparound). `idx32` (C-contiguous arrays of
+        fewer than 2**32 elements): the element offset in 32-bit unsigned arithmetic, which
+        lets LLVM narrow the caller's index math too (64-bit multiplies and sign handling are
+        most of a small kernel's instructions otherwise)."""
         aryty = signature.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
+        if idx32 and aryty.layout == "C":
+            inds = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:], signature.args[1:])]
+            shapes = cgutils.unpack_tuple(builder, ary.shape, aryty.ndim)
+            lin = inds[0]
+            for ind, dim in zip(inds[1:], shapes[1:]):
+                lin = builder.add(builder.mul(lin, builder.trunc(dim, _I32), flags=["nuw"]), ind, flags=["nuw"])
+            ptr = builder.gep(ary.data, [builder.zext(lin, ir.IntType(64))], inbounds=True)
+            return builder.ptrtoint(ptr, ir.IntType(64))
         inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
         return builder.ptrtoint(ptr, ir.IntType(64))
@@ -182,11 +194,12 @@ if not SIMULATOR:
 
     @intrinsic
     def ld_f32_cg(typingctx, arr, i0, i1, i2, i3):
-        """arr[i0, i1, i2, i3] (float32) from L2, never L1: data other blocks of this kernel wrote."""
+        """arr[i0, i1, i2, i3] (float32; C-contiguous, fewer than 2**32 elements) from L2, never
+        L1: data other blocks of this kernel, or the kernel before under PDL, wrote."""
         sig = types.float32(arr, i0, i1, i2, i3)
 
         def codegen(context, builder, signature, args):
-            addr = _elem_addr(context, builder, signature, args)
+            addr = _elem_addr(context, builder, signature, args, idx32=True)
             return _asm_call(builder, _F32, [ir.IntType(64)], "ld.global.cg.f32 $0, [$1];", "=f,l", [addr], True)
 
         return sig, codegen
@@ -270,7 +283,8 @@ if not SIMULATOR:
         @intrinsic
         def ld8(typingctx, arr, i0, i1, i2, i3):
             """arr[i0, i1, i2, i3 : i3 + 8] as eight float32 (a float16 or float32 array; the first
-            element 16-byte aligned): one 16-byte load (float16) or two (float32)."""
+            element 16-byte aligned): one 16-byte load (float16) or two (float32). The array is
+            C-contiguous with fewer than 2**32 elements (a KV pool layer; the offset is 32-bit)."""
             if not isinstance(arr, types.Array) or arr.dtype not in (types.float16, types.float32):
                 return None
             ret = types.UniTuple(types.float32, 8)
@@ -287,7 +301,7 @@ if not SIMULATOR:
                 text = f"ld.{space}.v4.f32 {{$0, $1, $2, $3}}, [$8]; ld.{space}.v4.f32 {{$4, $5, $6, $7}}, [$8+16];"
 
             def codegen(context, builder, signature, args):
-                addr = _elem_addr(context, builder, signature, args)
+                addr = _elem_addr(context, builder, signature, args, idx32=True)
                 st = ir.LiteralStructType([ir.FloatType()] * 8)
                 res = _asm_call(builder, st, [ir.IntType(64)], text, "=f," * 8 + "l", [addr], side_effect=pinned)
                 return context.make_tuple(builder, ret, [builder.extract_value(res, k) for k in range(8)])
@@ -299,6 +313,25 @@ if not SIMULATOR:
     ld8 = _make_ld8()
     ld8_pinned = _make_ld8("global", pinned=True)
     ld8_cg = _make_ld8("global.cg", pinned=True)  # from L2, never L1 (a line the kernel may hold stale)
+
+    @intrinsic
+    def st8_f32(typingctx, arr, i0, i1, i2, i3, vals):
+        """arr[i0, i1, i2, i3 : i3 + 8] = vals (eight float32; a C-contiguous float32 array of
+        fewer than 2**32 elements, the first element 16-byte aligned): two 16-byte stores."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.float32 and isinstance(vals, types.UniTuple)
+                and vals.count == 8 and vals.dtype == types.float32):  # fmt: skip
+            return None
+        sig = types.void(arr, i0, i1, i2, i3, vals)
+
+        def codegen(context, builder, signature, args):
+            addr = _elem_addr(context, builder, signature.replace(args=signature.args[:5]), args[:5], idx32=True)
+            vs = [builder.extract_value(args[5], k) for k in range(8)]
+            text = "st.global.v4.f32 [$0], {$1, $2, $3, $4}; st.global.v4.f32 [$0+16], {$5, $6, $7, $8};"
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [_F32] * 8)
+            builder.call(ir.InlineAsm(fnty, text, "l" + ",f" * 8, side_effect=True), [addr, *vs])
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @intrinsic
     def ld8_h_words(typingctx, arr, i0, i1, i2, i3):
@@ -506,6 +539,10 @@ else:
 
     ld8_pinned = ld8
     ld8_cg = ld8
+
+    def st8_f32(arr, i0, i1, i2, i3, vals):
+        for k in range(8):
+            arr[i0, i1, i2, i3 + k] = vals[k]
 
     def ld8_h_words(arr, i0, i1, i2, i3):
         words = np.array([arr[i0, i1, i2, i3 + k] for k in range(8)], dtype=np.float16).view(np.uint32)

@@ -466,19 +466,23 @@ def check_attn_decode(scale, rng):
 
 def _check_decode_lp(spec, q, args, want, rows, longest, group):
     """attention.attn_decode_lp (splits of 32, one position a lane) in both output modes, with
-    and without the K / V loads before the grid dependency wait."""
+    and without the K / V loads before the grid dependency wait, and once with the page size
+    read at run time (divisions) instead of compiled in (shifts and masks)."""
     splits = -(-longest // attention.LP_SPLIT)
-    preload = attention.LP_PRELOAD
+    preload, const_page = attention.LP_PRELOAD, attention.LP_CONST_PAGE
     try:
-        for m, pre in (("f32", False), ("q8", False), ("f32", True), ("q8", True)):
+        for m, pre, const in (("f32", False, True), ("q8", False, True), ("f32", True, True), ("q8", True, True),
+                              ("q8", True, False)):  # fmt: skip
             attention.LP_PRELOAD = pre  # K / V before the PDL wait, the newest position after it
+            attention.LP_CONST_PAGE = const
             o_part = _poisoned((rows, spec.num_heads, splits, spec.head_dim))
             ml = _poisoned((rows, spec.num_heads, splits, 2))
             out, xs = _attn_out(spec, rows, m)
             attention.attn_decode_lp(spec, *args, o_part, ml, out, xs, rows, m)
-            _check_attn(out, xs, want, m, f"attn_decode_lp g{group} hd{spec.head_dim} {m} preload {pre}")
+            _check_attn(out, xs, want, m, f"attn_decode_lp g{group} hd{spec.head_dim} {m} preload {pre} "
+                                          f"page size compiled in {const}")  # fmt: skip
     finally:
-        attention.LP_PRELOAD = preload
+        attention.LP_PRELOAD, attention.LP_CONST_PAGE = preload, const_page
     if args[1].dtype == np.float16 and longest <= attention.LPM_MAX_SPLITS * attention.LP_SPLIT:
         _check_decode_lpm(spec, args, want, rows, longest, group)
 

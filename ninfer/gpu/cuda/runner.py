@@ -12,6 +12,7 @@ runs; with `feed` its embedding gathers step N's samples where the sampler left 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -98,6 +99,8 @@ class CudaRunner:
         )
         self.bufs = StepBuffers(spec, self.limits)
         kv_shape = (spec.num_layers, num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
+        if math.prod(kv_shape[1:]) >= 2**32:  # the decode kernels' KV offsets are 32-bit (intrinsics.ld8)
+            raise ValueError(f"{num_pages} KV pages of {page_size} tokens exceed 2**32 elements a layer: use fewer pages")
         self.k_pool = _zeros(kv_shape, self.kv_dtype, self.stream)
         self.v_pool = _zeros(kv_shape, self.kv_dtype, self.stream)
         cos, sin = rope_angles(spec, np.arange(self.max_context))
