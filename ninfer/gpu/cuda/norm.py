@@ -20,12 +20,15 @@ from ninfer.gpu.cuda.act_quant import quantize_q8_ref, quantize_quad
 from ninfer.gpu.cuda.intrinsics import SIMULATOR, block_sum, grid_dep_launch, grid_dep_wait, ld4_f32_pinned
 from ninfer.gpu.cuda.pdl import aware
 
+# threads a block at most (read at launch; an A/B switch for `profile --variant`: fewer
+# threads, more columns each, a block that finds room on an SM sooner beside the GEMV before)
 MAX_THREADS = 64 if SIMULATOR else 1024
 
 
-def plan_threads(d: int, max_threads: int = MAX_THREADS) -> tuple[int, int]:
+def plan_threads(d: int, max_threads: int | None = None) -> tuple[int, int]:
     """(threads, chunks): each thread keeps `chunks` runs of 4 consecutive columns in registers,
     so the whole row is read once, with every warp busy (d % 32 == 0)."""
+    max_threads = max_threads or MAX_THREADS
     quads = d // 4
     chunks = -(-quads // max_threads)
     threads = -(-quads // chunks)

@@ -212,10 +212,10 @@ def _variants(runner, variants, streams, prompt_len, steps, rounds, trace_reps=0
     functions (`_patchable`), both restored first; then the forward is rebuilt and every graph
     dropped, so the variant is captured anew. The code may call remove(KIND) (REMOVABLE) or
     wrap a GEMV function (e.g. `g = gemv.gemv; gemv.gemv = lambda w, *a, **k: g(w, *a, **k)`)."""
-    from ninfer.gpu.cuda import attention, forward, gemv, graphs, l2_prefetch, pdl, runner as runner_mod, sampler
+    from ninfer.gpu.cuda import attention, forward, gemv, graphs, l2_prefetch, norm, pdl, runner as runner_mod, sampler
 
     mods = {"forward": forward, "gemv": gemv, "attention": attention, "l2_prefetch": l2_prefetch, "sampler": sampler,
-            "runner": runner_mod, "pdl": pdl, "graphs": graphs}  # fmt: skip
+            "runner": runner_mod, "pdl": pdl, "graphs": graphs, "norm": norm}  # fmt: skip
     defaults = {m: {k: v for k, v in vars(mod).items() if k.isupper()} for m, mod in mods.items()}
     results = []
     restore = _patchable()
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL:PYTHON",
                    help="A/B in one process: run PYTHON (names: forward, gemv, attention, l2_prefetch, sampler, runner, pdl, "
-                        "graphs) over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
+                        "graphs, norm) over the default switches, rebuild the forward, re-capture, time; repeatable")  # fmt: skip
     p.add_argument("--remove", default="", metavar="KINDS",
                    help=f"in-step cost by removal: variants without each of these launch kinds ({','.join(REMOVABLE)}) "
                         "beside the whole graph (results wrong, timings not)")  # fmt: skip
