@@ -68,6 +68,25 @@ if not SIMULATOR:
 
         return sig, codegen
 
+    def _elem_addr(context, builder, signature, args, idx32=False):
+        """The address of arr[i0, i1, ...] (no wraparound). `idx32` (C-contiguous arrays of
+        fewer than 2**32 elements): the element offset in 32-bit unsigned arithmetic, which
+        lets LLVM narrow the caller's index math too (64-bit multiplies and sign handling are
+        most of a small kernel's instructions otherwise)."""
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        if idx32 and aryty.layout == "C":
+            inds = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:], signature.args[1:])]
+            shapes = cgutils.unpack_tuple(builder, ary.shape, aryty.ndim)
+            lin = inds[0]
+            for ind, dim in zip(inds[1:], shapes[1:]):
+                lin = builder.add(builder.mul(lin, builder.trunc(dim, _I32), flags=["nuw"]), ind, flags=["nuw"])
+            ptr = builder.gep(ary.data, [builder.zext(lin, ir.IntType(64))], inbounds=True)
+            return builder.ptrtoint(ptr, ir.IntType(64))
+        inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
+        return builder.ptrtoint(ptr, ir.IntType(64))
+
     def _make_ld4(elem_type, elem_ir, reg, ptx_type, space="global.nc", pinned=False, evict_first=False):
         """A 16-byte load; `pinned`: a side-effecting asm that stays where the source puts it;
         `evict_first`: its L2 lines are the first to go (a stream read once a step: weights)."""
@@ -79,11 +98,7 @@ if not SIMULATOR:
             sig = ret(arr, row, col)
 
             def codegen(context, builder, signature, args):
-                aryty = signature.args[0]
-                ary = context.make_array(aryty)(context, builder, args[0])
-                inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
-                ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
-                addr = builder.ptrtoint(ptr, ir.IntType(64))
+                addr = _elem_addr(context, builder, signature, args)
                 st = ir.LiteralStructType([elem_ir] * 4)
                 text = f"ld.{space}.v4.{ptx_type} {{$0,$1,$2,$3}}, [$4];"
                 if evict_first:
@@ -108,25 +123,6 @@ if not SIMULATOR:
     # it (which ptxas may also move above griddepcontrol.wait) can return stale data. Aware
     # kernels read predecessors' outputs with these coherent, pinned loads; weights stay `.nc`.
     ld4_u32_pinned = _make_ld4(types.uint32, _I32, "r", "u32", space="global", pinned=True)
-
-    def _elem_addr(context, builder, signature, args, idx32=False):
-        """The address of arr[i0, i1, ...] (no wraparound). `idx32` (C-contiguous arrays of
-        fewer than 2**32 elements): the element offset in 32-bit unsigned arithmetic, which
-        lets LLVM narrow the caller's index math too (64-bit multiplies and sign handling are
-        most of a small kernel's instructions otherwise)."""
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        if idx32 and aryty.layout == "C":
-            inds = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[1:], signature.args[1:])]
-            shapes = cgutils.unpack_tuple(builder, ary.shape, aryty.ndim)
-            lin = inds[0]
-            for ind, dim in zip(inds[1:], shapes[1:]):
-                lin = builder.add(builder.mul(lin, builder.trunc(dim, _I32), flags=["nuw"]), ind, flags=["nuw"])
-            ptr = builder.gep(ary.data, [builder.zext(lin, ir.IntType(64))], inbounds=True)
-            return builder.ptrtoint(ptr, ir.IntType(64))
-        inds = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], signature.args[1:])]
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, inds, wraparound=False)
-        return builder.ptrtoint(ptr, ir.IntType(64))
 
     def _pair_codegen(text, pinned=False):
         def codegen(context, builder, signature, args):
