@@ -3,7 +3,7 @@
 # model, then run the GPU tests and the benchmark, writing logs and JSON under $OUT.
 #   scripts/device_run.sh [STAGES] [pytest -k expression]
 # STAGES: comma-separated among dmon, tune, attn, ncu, timeline, trace, profile, steps8b, checks, bench, bench8b, tests
-#         (default: bench,bench8b,tests); ACTS="f32 q8" benches both activation modes.
+#         (default: bench,bench8b,tests); ACTS (default q8, llama.cpp's scheme; "q8 f32" benches both), QTYPE8B (default Q8_0).
 # Time limits (seconds) per stage: BENCH_S, BENCH8B_S, TESTS_S (one device call runs at most 600 s).
 # The model arrives in two parts over two consecutive calls (each carries one of
 # .stage/smollm2.part00 / part01, and one of them .stage/smollm2.sha256 too: the parts are only
@@ -90,20 +90,23 @@ if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch
 fi
 if has bench; then
   if [ -n "${NINFER_TEST_GGUF:-}" ]; then
-    timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench "$NINFER_TEST_GGUF" --backend cuda --anchors llamacpp-h200 \
-      --json "$OUT/bench_smollm2.json" 2>&1 | tee "$OUT/bench_smollm2.txt"
+    for ACT in ${ACTS:-q8}; do
+      timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench "$NINFER_TEST_GGUF" --backend cuda --anchors llamacpp-h200 \
+        --activations $ACT --prompt-lens 512,4096 --json "$OUT/bench_smollm2_$ACT.json" 2>&1 \
+        | grep -v "uploading weights\|loading " | tee -a "$OUT/bench_smollm2.txt"
+    done
   else
-    for ACT in ${ACTS:-f32}; do
+    for ACT in ${ACTS:-q8}; do
       timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench --random smollm2-135m --backend cuda --anchors llamacpp-h200 \
         --activations $ACT 2>&1 | grep -v "uploading weights" | tee -a "$OUT/bench_smollm2.txt"
     done
   fi
 fi
 if has bench8b; then
-  for ACT in ${ACTS8B:-${ACTS:-f32}}; do
-    timeout ${BENCH8B_S:-150} python3 -m ninfer.cli.bench --random llama3-8b --random-qtype Q4_1 --backend cuda \
-      --streams 1,16 --prompt-lens 512 --decode-tokens 64 --repeats 2 --activations $ACT 2>&1 \
-      | grep -v "uploading weights" | tee -a "$OUT/bench_8b_q4_1.txt"
+  for ACT in ${ACTS8B:-${ACTS:-q8}}; do
+    timeout ${BENCH8B_S:-150} python3 -m ninfer.cli.bench --random llama3-8b --random-qtype ${QTYPE8B:-Q8_0} --backend cuda \
+      --streams 1,4 --prompt-lens 128 --decode-tokens 64 --repeats 2 --activations $ACT 2>&1 \
+      | grep -v "uploading weights" | tee -a "$OUT/bench_8b.txt"
   done
 fi
 if has checks; then  # kernel_checks real, one process a check (CHECKS="..." to choose), then the copies' fan (PARALLEL_UPLOADS)
