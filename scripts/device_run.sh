@@ -44,7 +44,7 @@ if has attn; then  # decode attention paths alone, us a layer (lpm: the splits m
 fi
 if has ncu; then  # device time of every kernel of one captured decode step
   NCU="ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv"
-  NACT=${ACTS%% *}; NACT=${NACT:-f32}  # the first of ACTS
+  NACT=${ACTS%% *}; NACT=${NACT:-q8}  # the first of ACTS
   timeout ${NCU_S:-120} $NCU python3 -m ninfer.gpu.cuda.profile ${NINFER_TEST_GGUF:-} --ncu --streams 1,64 --activations $NACT > "$OUT/ncu_smollm2.csv" 2>&1
   [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m ninfer.gpu.cuda.profile --random llama3-8b --ncu --streams 1 --activations $NACT > "$OUT/ncu_8b.csv" 2>&1
   tail -n 3 "$OUT"/ncu_*.csv
@@ -88,19 +88,12 @@ if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch
     --variant "stats1:sampler.SPLIT_STATS=False" --variant "par_up:graphs.PARALLEL_UPLOADS=True" --variant "lpm:attention.LP_MERGED=True" \
     --json "$OUT/steps8b.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/steps8b.txt"
 fi
-if has bench; then
-  if [ -n "${NINFER_TEST_GGUF:-}" ]; then
-    for ACT in ${ACTS:-q8}; do
-      timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench "$NINFER_TEST_GGUF" --backend cuda --anchors llamacpp-h200 \
-        --activations $ACT --prompt-lens 512,4096 --json "$OUT/bench_smollm2_$ACT.json" 2>&1 \
-        | grep -v "uploading weights\|loading " | tee -a "$OUT/bench_smollm2.txt"
-    done
-  else
-    for ACT in ${ACTS:-q8}; do
-      timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench --random smollm2-135m --backend cuda --anchors llamacpp-h200 \
-        --activations $ACT 2>&1 | grep -v "uploading weights" | tee -a "$OUT/bench_smollm2.txt"
-    done
-  fi
+if has bench; then  # the staged real GGUF if there is one, else random weights of its shape
+  for ACT in ${ACTS:-q8}; do
+    timeout ${BENCH_S:-100} python3 -m ninfer.cli.bench ${NINFER_TEST_GGUF:---random smollm2-135m} --backend cuda \
+      --anchors llamacpp-h200 --activations $ACT --prompt-lens 512,4096 --json "$OUT/bench_smollm2_$ACT.json" 2>&1 \
+      | grep -v "loading " | tee -a "$OUT/bench_smollm2.txt"
+  done
 fi
 if has bench8b; then
   for ACT in ${ACTS8B:-${ACTS:-q8}}; do
