@@ -255,3 +255,10 @@ def test_different_seeds_give_different_streams():
 def test_sample_rows_checks_its_arguments():
     with pytest.raises(ValueError, match="2 logits rows for 1 sample specs"):
         sample_rows(np.zeros((2, VOCAB), dtype=np.float32), [spec()])
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-45, 1e-40, 1e-6])
+def test_a_temperature_too_small_for_float32_samples_greedily(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and params.temperature == 0.0
+    assert not SamplingParams(temperature=1e-4).is_greedy

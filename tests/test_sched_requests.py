@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from ninfer.cache.prefix import PrefixCache
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.fake import ByteTokenizer, FakeRunner, VirtualTimeExecutor
@@ -17,6 +18,7 @@ from ninfer.sched.request import (
     FinishReason,
     GenerationRequest,
     InvalidRequest,
+    RequestFailed,
     RequestTooLarge,
     TokenDelta,
 )
@@ -220,7 +222,7 @@ async def test_runner_failure_fails_in_flight_requests_and_marks_the_engine_unhe
         for stream in streams[:2]:
             async with stream:
                 results.append(await stream.collect())
-        with pytest.raises(EngineUnhealthy, match="injected runner failure"):
+        with pytest.raises(EngineUnhealthy, match="the runner failed"):
             async with streams[2]:
                 await streams[2].collect()
         assert not engine.is_healthy
@@ -229,7 +231,10 @@ async def test_runner_failure_fails_in_flight_requests_and_marks_the_engine_unhe
         stats = engine.statistics()
     for result in results:
         assert result.finished.reason is FinishReason.ERROR
-        assert "injected runner failure" in result.finished.error
+        # every client sees the same message: the exception's text (maybe another request's
+        # data) stays in the log
+        assert "the runner failed (RuntimeError" in result.finished.error
+        assert "injected runner failure" not in result.finished.error
         assert len(result.token_ids) == 2  # two steps ran before the failure
     assert not stats.is_healthy and stats.num_pages_used == 0
     assert stats.requests_by_outcome["error"] == 2 and stats.requests_by_outcome["unhealthy"] == 2
@@ -324,3 +329,53 @@ async def test_lookahead_runs_while_the_queue_waits_for_a_lane(autojump_clock):
         async with engine.submit(requests[0]) as stream:
             done = await stream.collect()
     assert done.token_ids == alone[0][:4] and done.finished.reason is FinishReason.STOP
+
+
+# ---- one request's failure stays its own --------------------------------------------------
+
+
+class ExplodingPrefixCache(PrefixCache):
+    """The real prefix cache, failing for the requests of two tenants: a stand-in for any bug
+    in work the step task does for one request (the bad cache_salt of a review was one)."""
+
+    def attach(self, seq, pool):
+        if seq.request.cache_salt == "explode-on-lookup":
+            raise RuntimeError("lookup exploded")
+        super().attach(seq, pool)
+
+    def publish(self, seq, pool):
+        if seq.request.cache_salt == "explode-on-publish":
+            raise RuntimeError("publish exploded")
+        super().publish(seq, pool)
+
+
+def exploding_engine(runner):
+    cache = ExplodingPrefixCache(page_size=4, page_nbytes=runner.page_nbytes, host_budget_bytes=0)
+    return open_engine(EngineConfig(page_size=4, prefill_chunk=16, max_concurrency=4), runner, ByteTokenizer(),
+                       stop_token_ids=(), executor=VirtualTimeExecutor(runner), prefix_cache=cache)  # fmt: skip
+
+
+async def test_a_request_whose_own_work_fails_fails_alone(autojump_clock):
+    async with exploding_engine(make_runner()) as engine:
+        innocent = engine.submit(GenerationRequest(prompt_ids=(1, 2, 3, 4, 5), max_tokens=6))
+        bad = engine.submit(GenerationRequest(prompt_ids=(1, 2, 3), max_tokens=6, cache_salt="explode-on-lookup"))
+        unpublished = engine.submit(GenerationRequest(prompt_ids=(7, 8, 9), max_tokens=6, cache_salt="explode-on-publish"))
+        with pytest.raises(RequestFailed) as failure:
+            async with bad:
+                await bad.collect()
+        assert "exploded" not in str(failure.value)  # the details stay in the log
+        for stream in (innocent, unpublished):
+            async with stream:
+                result = await stream.collect()
+            assert result.finished.reason is FinishReason.LENGTH and result.finished.error is None
+            assert len(result.token_ids) == 6
+        assert engine.is_healthy
+        async with engine.submit(GenerationRequest(prompt_ids=(1, 2), max_tokens=2)) as later:
+            assert (await later.collect()).finished.reason is FinishReason.LENGTH
+        stats = engine.statistics()
+    assert stats.is_healthy and stats.requests_by_outcome["error"] == 1
+
+
+def test_a_cache_salt_that_is_not_unicode_is_refused_when_the_request_is_made():
+    with pytest.raises(ValueError, match="cache_salt"):
+        GenerationRequest(prompt_ids=(1,), max_tokens=1, cache_salt="\ud800")

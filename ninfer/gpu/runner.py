@@ -41,11 +41,22 @@ def _in_range(lo, hi):
     return check
 
 
+# Temperatures below this sample greedily: logits divided by a float32 this small (or one that
+# rounds to 0 or a subnormal) overflow to inf / NaN, and the draw finds no candidate.
+MIN_TEMPERATURE = 1e-5
+
+
+def _greedy_below_min(value):
+    if isinstance(value, (int, float)) and 0.0 < value < MIN_TEMPERATURE:
+        return 0.0
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
-    """Per-request sampling knobs. temperature == 0 means greedy."""
+    """Per-request sampling knobs. temperature == 0 means greedy (so does any below MIN_TEMPERATURE)."""
 
-    temperature: float = attrs.field(default=1.0, validator=_in_range(0.0, 100.0))
+    temperature: float = attrs.field(default=1.0, converter=_greedy_below_min, validator=_in_range(0.0, 100.0))
     top_k: int = attrs.field(default=0, validator=_in_range(0, 1 << 30))  # 0 = off
     top_p: float = attrs.field(default=1.0, validator=_in_range(0.0, 1.0))
     min_p: float = attrs.field(default=0.0, validator=_in_range(0.0, 1.0))

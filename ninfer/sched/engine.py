@@ -37,6 +37,7 @@ from ninfer.sched.request import (
     InvalidRequest,
     Overloaded,
     RequestTooLarge,
+    ShuttingDown,
 )
 from ninfer.sched.sequence import Phase, Sequence
 from ninfer.sched.state import EngineState, Ticket
@@ -168,6 +169,20 @@ class Engine:
 
     submit_nowait = submit
 
+    def drain(self) -> None:
+        """Begin a shutdown: refuse new requests and reject the queued ones (`ShuttingDown`);
+        admitted requests go on until they finish or `cancel_all`."""
+        state = self._state
+        state.is_draining = True
+        for seq in list(state.waiting):
+            state.reject_waiting(seq, ShuttingDown("The server is shutting down."), Outcome.CANCELLED)
+
+    def cancel_all(self) -> None:
+        """End every admitted request with CANCELLED (within one step: the runner may be writing
+        their pages now)."""
+        for seq in [*self._state.running, *self._state.paused]:
+            self._cancel(seq)
+
     # -- admission -----------------------------------------------------------------------
 
     def _check_admissible(self, request: GenerationRequest) -> None:
@@ -175,6 +190,8 @@ class Engine:
             raise EngineUnhealthy("The engine is unhealthy after a runner failure.")
         if self._state.is_closed:
             raise EngineUnhealthy("The engine has shut down.")
+        if self._state.is_draining:
+            raise ShuttingDown("The server is shutting down.")
         num_prompt, limit = len(request.prompt_ids), self.max_context
         if num_prompt >= limit:
             raise RequestTooLarge(

@@ -37,6 +37,15 @@ def _max_tokens(instance, attribute, value):
         raise ValueError(f"max_tokens must be at least 1, got {value}")
 
 
+def _cache_salt(instance, attribute, value):
+    # The prefix cache hashes its UTF-8 bytes inside the step task: it must encode.
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("cache_salt must be valid Unicode (it holds a lone surrogate)") from None
+
+
 def _top_logprobs(instance, attribute, value):
     if not 0 <= value <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {value}")
@@ -54,7 +63,7 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = attrs.field(default=0, validator=_top_logprobs)
     constraint: TokenConstraint | None = None
-    cache_salt: str | None = None  # isolates tenants in the prefix cache
+    cache_salt: str | None = attrs.field(default=None, validator=_cache_salt)  # isolates tenants in the prefix cache
     cache_read_only: bool = False  # read the prefix cache, publish nothing
     request_id: str = ""
 
@@ -136,6 +145,15 @@ class RequestTooLarge(EngineError):
 
 class EngineUnhealthy(EngineError):
     """The runner failed; the engine takes no more work (HTTP 503)."""
+
+
+class ShuttingDown(EngineError):
+    """The server is shutting down: no new work, and the queue is answered at once (HTTP 503)."""
+
+
+class RequestFailed(EngineError):
+    """This request's own work failed inside the engine before it started; the others go on
+    (HTTP 500). The details are in the server's log, never in another client's answer."""
 
 
 class InvalidRequest(EngineError, ValueError):

@@ -91,6 +91,7 @@ class EngineState:
         self.host_snapshot_bytes = 0
         self.is_healthy = True
         self.is_closed = False
+        self.is_draining = False  # shutting down: queued and new requests are refused
         self.work_changed = Signal()  # wakes the idle step task
         self.queue_changed = Signal()  # wakes the deadline task
         self._num_unsettled = 0
@@ -124,7 +125,7 @@ class EngineState:
         if seq.phase is Phase.FINISHED:
             return
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.prefix.publish(seq, self.pool)
+            self.publish_pages(self.prefix.publish, seq)
         self._list_of(seq.phase).remove(seq)
         seq.phase = Phase.FINISHED
         self.release_kv(seq)
@@ -136,6 +137,13 @@ class EngineState:
         ticket.interrupt()
         self._record(seq, _OUTCOME_OF_REASON[reason], now_s)
         self.work_changed.notify()
+
+    def publish_pages(self, publish, seq: Sequence) -> None:
+        """Offer a sequence's pages to the prefix cache; a failure costs the sharing, not the engine."""
+        try:
+            publish(seq, self.pool)
+        except Exception:
+            log.exception("request %s: the prefix cache failed to take its pages", seq.request.request_id)
 
     def reject_waiting(self, seq: Sequence, error: EngineError | Finished, outcome: Outcome) -> None:
         """End a sequence that never got a lane: its stream raises `error`."""
@@ -156,7 +164,9 @@ class EngineState:
         self.reject_waiting(seq, finished, Outcome.CANCELLED)
 
     def fail_all(self, message: str) -> None:
-        """A runner failure: every admitted sequence ends with ERROR, the queue is refused."""
+        """A runner failure: every admitted sequence ends with ERROR, the queue is refused.
+
+        `message` goes to every client, so it must name no request's data."""
         self.is_healthy = False
         for seq in [*self.running, *self.paused]:
             self.finish(seq, FinishReason.ERROR, error=message)

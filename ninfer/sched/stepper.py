@@ -30,7 +30,7 @@ from ninfer.gpu.runner import Runner, SampleSpec, StepRow, next_position
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
 from ninfer.sched.planner import StepPlan, split_expired
 from ninfer.sched.prefix_hook import detach
-from ninfer.sched.request import FinishReason, QueueTimeout, Started
+from ninfer.sched.request import FinishReason, QueueTimeout, RequestFailed, Started
 from ninfer.sched.sequence import Phase, Sequence
 from ninfer.sched.state import EngineState
 from ninfer.sched.stats import Outcome
@@ -71,7 +71,7 @@ class Stepper:
             except Exception as exc:
                 # The runner's state is unknown now: fail everything in flight, take no more.
                 log.exception("an engine step failed; the engine is now unhealthy")
-                self._state.fail_all(f"the runner failed: {type(exc).__name__}: {exc}")
+                self._state.fail_all(f"the runner failed ({type(exc).__name__}; details are in the server log)")
                 return
             if not did_work:
                 await self._state.work_changed.wait()
@@ -133,7 +133,13 @@ class Stepper:
         for seq in state.waiting[: max(0, num_lanes_free)]:
             if not seq.is_prefix_looked_up:
                 seq.is_prefix_looked_up = True
-                state.prefix.attach(seq, state.pool)
+                try:
+                    state.prefix.attach(seq, state.pool)
+                except Exception:
+                    # Work that depends on one request fails that request alone.
+                    log.exception("request %s: the prefix-cache lookup failed", seq.request.request_id)
+                    error = RequestFailed("The server failed while looking up this request's prompt in its cache.")
+                    state.reject_waiting(seq, error, Outcome.ERROR)
 
     def _detach_unadmitted(self, plan: StepPlan) -> bool:
         """Queued requests the plan does not admit give their cache hits back (looked up again later).
@@ -327,7 +333,7 @@ class Stepper:
         if new // self._limits.page_size > old // self._limits.page_size and seq.phase is Phase.RUNNING:
             publish_progress = getattr(self._state.prefix, "publish_progress", None)
             if publish_progress is not None:
-                publish_progress(seq, self._state.pool)  # requests arriving now reuse these pages
+                self._state.publish_pages(publish_progress, seq)  # requests arriving now reuse these pages
         # A request cancelled (or shut down) while the step ran is reaped, not fed.
         if planned.samples and seq.phase is Phase.RUNNING and not seq.is_cancel_requested:
             if result is None:
