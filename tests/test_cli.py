@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -136,6 +135,38 @@ def test_invalid_flag_values_are_one_line(flags, needle):
     result = ninfer("generate", "-p", "hi", *flags)
     assert result.returncode == 2
     assert_one_line_error(result, needle)
+
+
+BAD_FLAG_COMMANDS = {"serve": [], "generate": ["-p", "hi"], "chat": [], "pull": [], "models": [], "bench": [],
+                     "simulate": []}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", BAD_FLAG_COMMANDS)
+def test_an_unknown_flag_shows_the_commands_own_usage_and_error(command):
+    result = ninfer(command, *BAD_FLAG_COMMANDS[command], "--bad-flag")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"usage: ninfer {command} "), result.stderr
+    assert_one_line_error(result, f"ninfer {command}: error: unrecognized arguments: --bad-flag")
+
+
+def test_an_unknown_flag_before_the_command_is_the_top_level_error():
+    result = ninfer("--bad-flag", "serve")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: ninfer [-h]"), result.stderr
+    assert_one_line_error(result, "ninfer: error: unrecognized arguments: --bad-flag")
+
+
+def test_bench_on_the_reference_backend_claims_no_lookahead_and_no_gpu_floor(smollm2_path):
+    result = ninfer("bench", str(smollm2_path), "--backend", "reference", "--streams", "1", "--prompt-lens", "8",
+                    "--decode-prompt", "4", "--decode-tokens", "2", "--repeats", "1", "--json", "-")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    header, table = result.stdout.split("\n", 1)
+    assert "backend reference" in header and "lookahead off" in header
+    assert "H200" not in result.stdout and "floor at" not in header and "of floor" not in table
+    out = json.loads(table[table.index("\n{") :])
+    assert out["lookahead"] is False and out["copy_gb_s"] is None
+    (decode,) = out["decode"]
+    assert "floor_tok_s" not in decode and "fraction_of_floor" not in decode and decode["achieved_gb_s"] > 0
 
 
 def test_messages_file_must_be_a_list(tmp_path):

@@ -8,6 +8,7 @@ written here for the schema subset used.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -17,6 +18,9 @@ import pytest
 from ninfer.grammar import GrammarCompiler, GrammarError
 from ninfer.grammar.tool_grammar import ToolSpec
 from ninfer.protocols.tool_calls import split_tool_calls
+from ninfer.server.calls import ChatCall, chat_tool
+from ninfer.grammar.closed_schema import closed_schema
+from ninfer.server.chat_prompt import build_constraint
 
 PERSON = {
     "type": "object",
@@ -141,6 +145,66 @@ def test_a_forced_tool_allows_only_that_tool(compiler, smollm2):
     constraint = compiler.tool_calls([TOOLS[1]], parallel=False)
     text = random_walk(constraint, smollm2.tokenizer, set(smollm2.stop_token_ids), random.Random(0))
     assert [c.name for c in split_tool_calls(text)[1]] == ["get_time"]
+
+
+OPEN_WEATHER = {  # no additionalProperties anywhere: any other key would be valid JSON-schema-wise
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 5}, "near": {"type": "object", "properties": {"north": {"type": "boolean"}}}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_forced_call_closes_open_object_schemas(compiler, smollm2, seed):
+    # Open, the grammar let a forced call invent keys and nest objects until max_tokens.
+    sent = copy.deepcopy(OPEN_WEATHER)
+    call = ChatCall(messages=({"role": "user", "content": "Weather?"},), tools=(chat_tool("get_weather", None, OPEN_WEATHER),),
+                    tool_choice="required", parallel_tool_calls=False)  # fmt: skip
+    text = random_walk(build_constraint(compiler, call), smollm2.tokenizer, set(smollm2.stop_token_ids), random.Random(seed))
+    (tool_call,) = split_tool_calls(text)[1]
+    arguments = json.loads(tool_call.arguments)
+    assert arguments.keys() <= {"city", "near"} and arguments.get("near", {}).keys() <= {"north"}
+    assert OPEN_WEATHER == sent  # the caller's schema (and what the prompt shows) is unchanged
+
+
+def accepts(constraint, tokenizer, text: str) -> bool:
+    for token in tokenizer.encode(text):
+        if not constraint.allowed_mask()[token]:
+            return False
+        constraint.advance(token)
+    return constraint.is_accepting()
+
+
+INT = {"type": "integer"}
+OBJ_A = {"type": "object", "properties": {"a": INT}}
+OBJ_B = {"type": "object", "properties": {"b": INT}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "allowed", "refused"),
+    [
+        ({"type": "object", "properties": {"a": {"properties": {"b": INT}}}}, ['{"a":{"b":1}}', "{}"], ['{"c":1}', '{"a":{"c":1}}']),
+        ({"type": "object", "properties": {"a": INT}, "additionalProperties": INT}, ['{"a":1,"z":2}'], ['{"z":"x"}']),
+        ({"type": "array", "items": {"$ref": "#/$defs/P"}, "$defs": {"P": OBJ_A}}, ['[{"a":1}]'], ['[{"b":1}]']),
+        ({"anyOf": [OBJ_A, OBJ_B]}, ['{"a":1}', '{"b":2}'], ['{"c":3}', '{"a":1,"b":2}']),
+        # Combined objects stay open: closed, each would forbid the keys the other adds.
+        ({"allOf": [OBJ_A, OBJ_B]}, ['{"a":1,"b":2}'], []),
+        ({"type": "object", "allOf": [{"$ref": "#/$defs/A"}, OBJ_B], "$defs": {"A": OBJ_A}}, ['{"a":1,"b":2}'], []),
+        ({"type": "object", "properties": {"a": INT}, "anyOf": [OBJ_B]}, ['{"a":1,"b":2}'], []),
+        # A required key the schema does not declare stays allowed (closing must not make it unsatisfiable).
+        ({"type": "object", "properties": {"a": INT}, "required": ["b"]}, ['{"b":[1]}', '{"a":1,"b":2}'], ['{"c":1}', "{}"]),
+        # ... but members that only add `required` leave the object closed.
+        ({"type": "object", "properties": {"a": INT, "b": INT}, "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+         ['{"a":1,"b":2}', '{"b":2}'], ['{"a":1,"c":3}', "{}"]),
+    ],
+)  # fmt: skip
+def test_closed_schemas_allow_only_declared_keys(compiler, smollm2, schema, allowed, refused):
+    sent = copy.deepcopy(schema)
+    closed = closed_schema(schema)
+    assert schema == sent
+    for text in allowed:
+        assert accepts(compiler.json_schema(closed), smollm2.tokenizer, text), text
+    for text in refused:
+        assert not accepts(compiler.json_schema(closed), smollm2.tokenizer, text), text
 
 
 def test_a_rejected_token_ends_the_constraint_instead_of_raising(compiler, smollm2):

@@ -113,6 +113,30 @@ def test_content_blocks_structure_by_type():
     assert to_chat_messages(request)[1] == {"role": "tool", "tool_call_id": "t", "content": "Error: no"}
 
 
+def test_blocks_as_the_sdk_dumps_them_are_accepted_and_unknown_keys_still_rejected():
+    # anthropic 2.16's ToolUseBlock.model_dump() adds caller and toolset_name (None for a client tool).
+    from anthropic.types import TextBlock as SdkTextBlock
+    from anthropic.types import ToolUseBlock as SdkToolUseBlock
+
+    used = SdkToolUseBlock(id="toolu_1", name="get_weather", input={"city": "Paris"}, type="tool_use")
+    direct = SdkToolUseBlock.model_validate({**used.model_dump(), "id": "toolu_2", "caller": {"type": "direct"}})
+    said = SdkTextBlock(text="Checking.", type="text")
+    assert {"caller", "toolset_name"} <= used.model_dump().keys()
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [said.model_dump(), used.model_dump(), direct.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "18C", "toolset_name": None}]},
+    ]  # fmt: skip
+    messages = to_chat_messages(parse_messages_request(body(messages=history)))
+    assert messages[1] == {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+    ]}  # fmt: skip
+    bogus = [history[0], {"role": "assistant", "content": [{**used.model_dump(), "bogus": 1}]}, history[2]]
+    error = error_of(body(messages=bogus))
+    assert error.param == "messages.1.content.0" and "bogus" in error.message
+
+
 def test_a_final_assistant_turn_is_rejected_rather_than_answered_wrongly():
     error = error_of(body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]))
     assert error.param == "messages.1" and "prefill" in error.message
@@ -154,6 +178,9 @@ def test_no_tools_means_no_tool_choice():
         ({"stream": "yes"}, "stream", "boolean"),
         ({"system": 3}, "system", "string or an array"),
         ({"stop_sequences": "###"}, "stop_sequences", "array"),
+        ({"stop_sequences": ["#"] * 17}, "stop_sequences", "at most 16 stop sequences"),
+        ({"stop_sequences": ["#"] * 600_000}, "stop_sequences", "at most 16 stop sequences"),
+        ({"stop_sequences": ["###", ""]}, "stop_sequences.1", "must not be empty"),
         ({"messages": []}, "messages", "at least one"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role", "'user', 'assistant'"),
         ({"messages": [{"role": "user"}]}, "messages.0.content", "missing"),
@@ -247,9 +274,21 @@ def test_stream_event_sequence_is_well_formed_and_matches_the_message():
         json.loads(e["delta"]["partial_json"]) for e in events if e.get("delta", {}).get("type") == "input_json_delta"
     ]
     assert [b.input for b in message.content[1:]] == tool_inputs == [{"city": "Paris"}, {"city": "Rome"}]
-    assert [b.id for b in message.content[1:]] == ["call_a", "call_b"]
+    assert [b.id for b in message.content[1:]] == ["toolu_a", "toolu_b"]
     assert [e["index"] for e in events if e["type"] == "content_block_start"] == [0, 1, 2]
     assert message.usage.output_tokens == 21 and message.stop_reason == "tool_use"
+
+
+def test_tool_use_ids_have_anthropics_prefix():
+    stream = MessageStream(message_id="msg_3", model="smol")
+    run_stream(stream, [
+        ("start", {"prompt_tokens": 3, "cached_tokens": 0}),
+        ("tool_call", {"index": 0, "call_id": "call_0a1b", "name": "f", "arguments": "{}"}),
+        ("tool_call", {"index": 1, "call_id": "toolu_kept", "name": "f", "arguments": "{}"}),
+        ("tool_call", {"index": 2, "call_id": None, "name": "f", "arguments": "{}"}),
+        ("finish", {"reason": "tool_calls", "completion_tokens": 4}),
+    ])  # fmt: skip
+    assert [block.id for block in stream.message().content] == ["toolu_0a1b", "toolu_kept", "toolu_msg_3_2"]
 
 
 def test_text_after_a_tool_call_opens_a_new_block():

@@ -183,6 +183,25 @@ def test_tool_results_in_the_history_reach_the_prompt(client, model_id):
     assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == longer.input_tokens
 
 
+def test_a_tool_use_block_as_the_sdk_dumps_it_goes_back_in_the_next_turn(client, model_id):
+    # anthropic 2.16's ToolUseBlock.model_dump() carries caller and toolset_name (None here).
+    question = [{"role": "user", "content": "What is the weather in Rome?"}]
+    first = client.messages.create(
+        model=model_id, max_tokens=40, messages=question, tools=[WEATHER_TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"seed": 5},
+    )  # fmt: skip
+    (block,) = first.content
+    assert block.type == "tool_use" and block.id.startswith("toolu_")
+    dumped = block.model_dump()
+    assert {"caller", "toolset_name"} <= dumped.keys()
+    history = [*question, {"role": "assistant", "content": [dumped]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block.id, "content": "Sunny, 21 C"}]}]  # fmt: skip
+    answer = client.messages.create(model=model_id, max_tokens=2, messages=history, tools=[WEATHER_TOOL], extra_body=GREEDY)
+    assert answer.usage.output_tokens >= 1 and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    counted = client.messages.count_tokens(model=model_id, messages=history, tools=[WEATHER_TOOL])
+    assert counted.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 
@@ -206,6 +225,11 @@ def test_authentication_is_required(server, model_id):
         ({"tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "g"}},
          ["tool_choice.name"]),
         ({"extra": True}, ["unknown field", "extra"]),
+        ({"stop_sequences": ["#"] * 17}, ["stop_sequences", "at most 16"]),
+        ({"stop_sequences": ["###", ""]}, ["stop_sequences.1", "must not be empty"]),
+        ({"messages": [*HI, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f",
+                                                               "input": {}, "bogus": None}]}, *HI]},
+         ["messages.1.content.0", "unknown field", "bogus"]),
     ],
 )  # fmt: skip
 def test_malformed_requests_are_400_with_the_field(server, model_id, body, words):

@@ -4,15 +4,18 @@ Drives the `Runner` directly (no HTTP, no scheduler), greedy, after warm-up runs
 kernels and capture the CUDA graphs:
 
 * decode: B streams with 128-token prompts each decode `--decode-tokens` tokens in lock step;
-  aggregate tok/s = B * tokens / time. Each step is submitted fed by the step before (its
-  tokens stay on the device) before that step's tokens are collected, as the engine's step
-  task does (`--no-lookahead`: each step's tokens are read before the next is built);
+  aggregate tok/s = B * tokens / time. On a pipelined runner (CUDA) each step is submitted fed
+  by the step before (its tokens stay on the device) before that step's tokens are collected,
+  as the engine's step task does (`--no-lookahead`: each step's tokens are read before the
+  next is built); the reference runner computes in `submit`, so there, as in the engine, each
+  step's tokens are read before the next (lookahead off);
 * prefill: one prompt of L tokens in one step (its first token sampled); tok/s = L / time, and
   time to first token (TTFT) is that step's time;
-* floor: the bytes one decode step must read (the layers' and the head's weights once, not
-  the embedding table a step gathers a few rows of, + the streams' KV) over the
-  device-to-device copy bandwidth, measured on the GPU at hand (1 GiB copies; elsewhere the
-  H200's 4,070 GB/s), and the fraction of it achieved.
+* GB/s: the bytes one decode step must read (the layers' and the head's weights once, not
+  the embedding table a step gathers a few rows of, + the streams' KV) over its time;
+* floor (CUDA only): those bytes over the device-to-device copy bandwidth measured on the GPU
+  at hand (1 GiB copies), and the fraction of it achieved. The reference backend prints no
+  floor: a GPU's copy bandwidth says nothing about the host.
 
 Anchors (llama.cpp on one H200 with SmolLM2-135M-Instruct Q4_1, DEVICE.md) are printed as
 ratios when `--anchors llamacpp-h200` is given.
@@ -30,7 +33,6 @@ import numpy as np
 
 from ninfer.cli.common import add_model_arguments, positive_int
 
-COPY_BANDWIDTH_BYTES_S = 4.07e12  # H200 device-to-device copy, read + write (DEVICE.md)
 ANCHORS = {"llamacpp-h200": {"decode": {1: 959, 4: 2707, 16: 4810, 64: 11673}, "prefill": {512: 51000}}}
 
 
@@ -58,8 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--random-qtype", default="Q4_1", help="weight type of --random models (Q4_1)")
     parser.add_argument("--no-graphs", action="store_true", help="CUDA: eager launches instead of graphs")
     parser.add_argument("--no-lookahead", action="store_true", help="decode: read each step's tokens before "
-                        "submitting the next (default: step N + 1 is queued, fed on the device, before step N's "
-                        "tokens are read, as the server does)")  # fmt: skip
+                        "submitting the next (default on CUDA: step N + 1 is queued, fed on the device, before "
+                        "step N's tokens are read, as the server does; the reference backend never looks ahead)")
     parser.add_argument("--anchors", choices=sorted(ANCHORS), help="print ratios to these reference numbers")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     parser.set_defaults(run=run)
@@ -69,16 +71,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     model, name = _model(args)
     runner, backend = _runner(model, args)
+    lookahead = uses_lookahead(runner, args.no_lookahead)
     results = {"model": name, "backend": backend, "weight_bytes": int(runner.step_weight_nbytes),
-               "lookahead": not args.no_lookahead, "decode": [], "prefill": []}  # fmt: skip
+               "lookahead": lookahead, "decode": [], "prefill": []}  # fmt: skip
     rng = np.random.default_rng(0)
     for streams in args.streams:
         results["decode"].append(bench_decode(runner, streams, args.decode_prompt, args.decode_tokens, args.repeats, rng,
-                                              lookahead=not args.no_lookahead))  # fmt: skip
+                                              lookahead=lookahead))  # fmt: skip
     for length in args.prompt_lens:
         results["prefill"].append(bench_prefill(runner, length, args.repeats, rng))
     measured = _measured_copy_bandwidth(backend)
-    results["copy_gb_s"], results["copy_measured"] = (measured or COPY_BANDWIDTH_BYTES_S) / 1e9, measured is not None
+    results["copy_gb_s"] = None if measured is None else measured / 1e9
     runner.close()
     _add_floor(results, model.spec if hasattr(model, "spec") else model[0], runner)
     print(format_table(results, ANCHORS.get(args.anchors)))
@@ -90,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     return 0
+
+
+def uses_lookahead(runner, no_lookahead: bool) -> bool:
+    """Whether decode submits each step ahead, as the engine decides it: only on a pipelined
+    runner (one that computes behind the caller's back), unless --no-lookahead."""
+    return not no_lookahead and bool(getattr(runner, "pipelined", False))
 
 
 def _model(args):
@@ -195,7 +204,7 @@ def bench_prefill(runner, length: int, repeats: int, rng) -> dict:
 
 
 def _measured_copy_bandwidth(backend: str) -> float | None:
-    """This GPU's copy bandwidth (bytes a second); None without one (the floor then takes the H200's)."""
+    """This GPU's copy bandwidth (bytes a second); None without one (then there is no floor)."""
     if backend != "cuda":
         return None
     from ninfer.gpu.cuda.bandwidth import copy_bandwidth
@@ -205,27 +214,34 @@ def _measured_copy_bandwidth(backend: str) -> float | None:
 
 def _add_floor(results: dict, spec, runner) -> None:
     """Bytes per decode step: the weights once, plus each stream's K and V so far, over the
-    copy bandwidth (results["copy_gb_s"])."""
+    step's time (achieved GB/s) and, when the copy bandwidth was measured (results["copy_gb_s"],
+    CUDA), over that bandwidth (the floor)."""
     kv_item = getattr(runner, "kv_dtype", np.dtype(np.float32)).itemsize
     weights = results["weight_bytes"]
     for d in results["decode"]:
         kv = d["streams"] * spec.kv_bytes_per_token(kv_item) * (d["context"] - d["tokens"] / 2)
+        step_s = d["seconds"] / d["tokens"]
+        d["achieved_gb_s"] = (weights + kv) / step_s / 1e9
+        if results["copy_gb_s"] is None:
+            continue
         floor_s = (weights + kv) / (results["copy_gb_s"] * 1e9)
         d["floor_ms_per_step"] = 1e3 * floor_s
         d["floor_tok_s"] = d["streams"] / floor_s
-        d["fraction_of_floor"] = floor_s / (d["seconds"] / d["tokens"])
-        d["achieved_gb_s"] = (weights + kv) / (d["seconds"] / d["tokens"]) / 1e9
+        d["fraction_of_floor"] = floor_s / step_s
 
 
 def format_table(results: dict, anchors: dict | None) -> str:
+    has_floor = results.get("copy_gb_s") is not None
+    floor = f"floor at {results['copy_gb_s']:,.0f} GB/s (copy measured here)" if has_floor else "no floor (CUDA only)"
     lines = [f"model {results['model']}  backend {results['backend']}  weights {results['weight_bytes'] / 1e6:.1f} MB"
-             f"  lookahead {'on' if results.get('lookahead') else 'off'}"
-             f"  floor at {results['copy_gb_s']:,.0f} GB/s"
-             f" ({'copy measured here' if results.get('copy_measured') else 'H200 copy, DEVICE.md'})"]
-    lines.append("decode  streams   tok/s  ms/step  floor tok/s  of floor   GB/s" + ("   vs anchor" if anchors else ""))
+             f"  lookahead {'on' if results.get('lookahead') else 'off'}  {floor}"]
+    lines.append("decode  streams   tok/s  ms/step" + ("  floor tok/s  of floor" if has_floor else "") + "   GB/s"
+                 + ("   vs anchor" if anchors else ""))  # fmt: skip
     for d in results["decode"]:
-        line = (f"        {d['streams']:7d} {d['tok_s']:7.0f} {d['ms_per_step']:8.3f} {d.get('floor_tok_s', 0):12.0f}"
-                f" {100 * d.get('fraction_of_floor', 0):8.1f}% {d.get('achieved_gb_s', 0):6.0f}")  # fmt: skip
+        line = f"        {d['streams']:7d} {d['tok_s']:7.0f} {d['ms_per_step']:8.3f}"
+        if has_floor:
+            line += f" {d['floor_tok_s']:12.0f} {100 * d['fraction_of_floor']:8.1f}%"
+        line += f" {d.get('achieved_gb_s', 0):6.0f}"
         ref = anchors and anchors["decode"].get(d["streams"])
         lines.append(line + (f"   {d['tok_s'] / ref:5.2f}x of {ref}" if ref else ""))
     lines.append("prefill  prompt   tok/s  TTFT ms" + ("   vs anchor" if anchors else ""))

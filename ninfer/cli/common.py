@@ -15,6 +15,21 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 2."""
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser: arguments it does not know are its own error.
+
+    argparse hands a sub-command's unknown arguments up to the top-level parser, whose error
+    shows `ninfer`'s usage; `ninfer serve --bad-flag` should show `ninfer serve`'s usage and
+    `ninfer serve: error: unrecognized arguments: --bad-flag` (exit status 2).
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def _typed(convert: Callable, check: Callable[[object], bool], what: str):
     def parse(text: str):
         try:

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from ninfer import __version__
+from ninfer.cli.common import CommandParser
 
 DESCRIPTION = """\
 ninfer runs LLMs on one GPU (or on the CPU) and serves them over OpenAI- and
@@ -35,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"ninfer {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=CommandParser)
     for name in COMMAND_MODULES:
         module = importlib.import_module(name)
         adder = getattr(module, "add_parsers", None) or module.add_parser

@@ -24,9 +24,12 @@ from ninfer.protocols.strict import (
     make_converter,
     named_tool_choice,
     register_tagged_union,
+    stop_sequences,
 )
 from ninfer.protocols.strict import structure as _structure
 from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
+
+MAX_STOP_SEQUENCES = 16  # per request, as documented in docs/serving.md
 
 # --- request schemas -------------------------------------------------------------------------
 
@@ -62,11 +65,16 @@ class DocumentBlock:
 
 @attrs.frozen(kw_only=True)
 class ToolUseBlock:
+    """`caller` and `toolset_name` are in what the SDK's `ToolUseBlock.model_dump()` sends back
+    (None for a client tool); accepted and ignored."""
+
     id: str
     name: str
     input: JsonObject
     type: Literal["tool_use"] = "tool_use"
     cache_control: JsonObject | None = None
+    caller: JsonObject | None = None
+    toolset_name: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +84,7 @@ class ToolResultBlock:
     is_error: bool = False
     type: Literal["tool_result"] = "tool_result"
     cache_control: JsonObject | None = None
+    toolset_name: str | None = None  # accepted and ignored, as on ToolUseBlock
 
 
 ContentBlock = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock
@@ -161,7 +170,7 @@ class MessagesRequest:
     max_tokens: int = attrs.field(validator=at_least(1))
     messages: list[MessageParam]
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] = attrs.Factory(list)
+    stop_sequences: list[str] = attrs.field(factory=list, validator=stop_sequences(MAX_STOP_SEQUENCES))
     temperature: float | None = attrs.field(default=None, validator=between(0.0, 1.0))
     top_p: float | None = attrs.field(default=None, validator=between(0.0, 1.0))
     top_k: int | None = attrs.field(default=None, validator=at_least(0))

@@ -172,6 +172,14 @@ def stop_reason(reason: str, stop_sequence: str | None, stop_sequences: Sequence
     return "stop_sequence" if stop_sequence in stop_sequences else "end_turn"
 
 
+def tool_use_id(call_id: str) -> str:
+    """The service's call id (`call_…`, OpenAI's shape) as Anthropic's `toolu_…`, the prefix
+    Anthropic's API gives tool-use ids and clients may rely on."""
+    if call_id.startswith("toolu_"):
+        return call_id
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 @attrs.define
 class _Block:
     kind: Literal["text", "tool_use"]
@@ -214,7 +222,7 @@ class MessageStream:
         events: list[StreamEvent] = []
         if not (self._current_is("tool_use") and self._blocks[-1].tool_index == index):
             events += self._close()
-            block = _Block("tool_use", [], call_id or f"toolu_{self.message_id}_{index}", name or "", index)
+            block = _Block("tool_use", [], tool_use_id(call_id or f"{self.message_id}_{index}"), name or "", index)
             self._blocks.append(block)
             self._is_open = True
             content = ToolUseContent(id=block.call_id, name=block.name, input={})

@@ -4,7 +4,8 @@ ChatML models (SmolLM2, Qwen2/3) write tool calls as JSON between tags. `ToolCal
 incremental: feed it text as tokens arrive and it returns text pieces (safe to show now) and
 complete tool calls, holding back only what might still be the start of a tag. Feeding the
 same text in any chunking gives the same pieces in total, so a streamed answer and a
-non-streamed one agree.
+non-streamed one agree. Arguments are re-serialised as compact JSON (`{"city":"Paris"}`), the
+form the tool grammar makes the model write and docs/serving.md promises.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class TextPiece:
 @attrs.frozen
 class CallPiece:
     name: str
-    arguments: str  # a JSON object, re-serialised compactly from what the model wrote
+    arguments: str  # a JSON object, re-serialised compactly (`compact_json`) from what the model wrote
 
 
 Piece = TextPiece | CallPiece
@@ -47,7 +48,12 @@ def parse_call_body(body: str) -> CallPiece | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return CallPiece(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return CallPiece(obj["name"], compact_json(arguments))
+
+
+def compact_json(value) -> str:
+    """JSON without insignificant whitespace; non-ASCII text stays as written."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _tag_prefix_len(text: str, tag: str) -> int:
@@ -61,8 +67,12 @@ def _tag_prefix_len(text: str, tag: str) -> int:
 class ToolCallParser:
     """Splits model output into text and tool calls, incrementally.
 
-    Whitespace between and after tool calls is dropped (models put newlines there); an
-    unparseable tag body is returned as text, tags included, so nothing the model wrote is lost.
+    Whitespace between and after tool calls is dropped (models put newlines there). A closed
+    tag whose body does not parse is returned as text, tags included, so nothing the model
+    finished writing is lost. An answer that ends inside a call is cut (typically by
+    max_tokens, which its finish reason `length` tells the client), and half a call is neither
+    a call nor text to show: an unclosed tag whose body does not parse is dropped, and so is a
+    start tag cut short (`<tool_c`) at the very end.
     """
 
     def __init__(self, start_tag: str = START_TAG, end_tag: str = END_TAG):
@@ -83,12 +93,13 @@ class ToolCallParser:
         return pieces
 
     def finish(self) -> list[Piece]:
-        """Everything still held: an unclosed call is parsed as if its end tag had arrived."""
+        """Everything still held: an unclosed call is parsed as if its end tag had arrived (and
+        dropped when it does not parse); a held-back start of a start tag is dropped."""
         pieces: list[Piece] = []
         if self._in_call:
             self._close_call(self._buffer, pieces, closed=False)
         elif self._buffer:
-            self._emit_text(self._buffer, pieces)
+            self._emit_text(self._buffer[: len(self._buffer) - _tag_prefix_len(self._buffer, self._start_tag)], pieces)
         self._buffer = ""
         self._in_call = False
         self._held_space = ""
@@ -119,8 +130,8 @@ class ToolCallParser:
     def _close_call(self, body: str, pieces: list[Piece], *, closed: bool) -> None:
         call = parse_call_body(body.strip())
         if call is None:
-            raw = self._start_tag + body + (self._end_tag if closed else "")
-            self._emit_text(raw, pieces)
+            if closed:
+                self._emit_text(self._start_tag + body + self._end_tag, pieces)
             return
         self._held_space = ""
         self._after_call = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ninfer.grammar.closed_schema import closed_schema
 from ninfer.grammar.constraint import GrammarError
 from ninfer.grammar.tool_grammar import ToolSpec
 from ninfer.server.calls import ChatCall, InvalidRequest
@@ -90,7 +91,7 @@ def build_constraint(compiler, call: ChatCall):
 
 
 def _tool_constraint(compiler, call: ChatCall):
-    specs = tool_specs(call.tools)
+    specs = [ToolSpec(s.name, closed_schema(s.parameters)) for s in tool_specs(call.tools)]
     name = forced_tool_name(call)
     if name is not None:
         return compiler.tool_calls([s for s in specs if s.name == name], parallel=False)
