@@ -1,17 +1,11 @@
-"""Many streams at once under a KV pool small enough to force pauses, clients that hang up,
-and a graceful SIGTERM of a real server process."""
+"""Many streams at once under a KV pool small enough to force pauses, and clients that hang
+up. (A graceful SIGTERM of a real server process: test_server_shutdown.py.)"""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 
-import httpx
 import pytest
 from server_fixtures import metric_values, running_server, small_settings
 
@@ -79,69 +73,3 @@ def wait_for_idle(http, timeout_s: float = 60.0) -> dict:
             return values
         time.sleep(0.05)
     raise AssertionError(f"the engine never went idle: {values}")
-
-
-# ---- SIGTERM ---------------------------------------------------------------------------
-
-SERVER_SCRIPT = """
-import logging, sys, trio
-logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-from ninfer.server.serve import serve
-from ninfer.server.settings import ServerSettings
-trio.run(serve, ServerSettings(model=sys.argv[1], port=0, backend="reference", max_context=512, kv_capacity=2048,
-                               shutdown_grace_s=3.0, log_level="info"))
-"""
-ENDLESS = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400, "stream": True,
-           "response_format": {"type": "json_schema", "json_schema": {"name": "long", "schema": {
-               "type": "object", "properties": {"s": {"type": "string", "minLength": 400}}, "required": ["s"]}}}}  # fmt: skip
-
-
-def start_process(model_path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", SERVER_SCRIPT, str(model_path)], stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    for line in proc.stderr:
-        found = re.search(r"serving on (http://\S+)", line)
-        if found:
-            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
-            return proc, found.group(1)
-    raise AssertionError(f"the server exited early with {proc.wait()}")
-
-
-def read_stream(base_url: str, body: dict, lines: list, started: threading.Event) -> None:
-    try:
-        with httpx.Client(base_url=base_url, timeout=60) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
-            for line in r.iter_lines():
-                lines.append(line)
-                if line.startswith("data:"):
-                    started.set()
-    except httpx.HTTPError as e:
-        lines.append(f"cut: {type(e).__name__}")
-    started.set()
-
-
-def test_sigterm_drains_short_streams_and_cuts_endless_ones(smollm2_path):
-    proc, base_url = start_process(smollm2_path)
-    try:
-        short, endless = [], []
-        short_started, endless_started = threading.Event(), threading.Event()
-        short_body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0, "stream": True}
-        threads = [threading.Thread(target=read_stream, args=(base_url, short_body, short, short_started)),
-                   threading.Thread(target=read_stream, args=(base_url, ENDLESS, endless, endless_started))]  # fmt: skip
-        for t in threads:
-            t.start()
-        assert short_started.wait(60) and endless_started.wait(60)
-        sent_s = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.ConnectError):  # no longer accepting
-            httpx.get(base_url + "/health", timeout=5)
-        for t in threads:
-            t.join(timeout=60)
-        assert proc.wait(timeout=60) == 0
-        elapsed_s = time.monotonic() - sent_s
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert short[-1] == "data: [DONE]" or short[-2:] == ["data: [DONE]", ""], short[-3:]
-    assert "data: [DONE]" not in endless  # cut at the end of the grace period
-    assert 2.5 <= elapsed_s < 30

@@ -199,7 +199,7 @@ def test_malformed_requests_are_400_with_the_field(server, model_id, body, param
 
 def test_invalid_json_unknown_model_and_missing_key(server, client, model_id):
     with server.http() as http:
-        bad = http.post("/v1/responses", content=b"{nope", headers={"authorization": f"Bearer {API_KEY}"})
+        bad = http.post("/v1/responses", content=b"{nope", headers={"authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
     assert_openai_error(bad, 400, "not valid JSON")
     error = assert_openai_error(raw(server, "POST", "/v1/responses", {"model": "gpt-nope", "input": "Hi"}), 404, "gpt-nope")
     assert error["code"] == "model_not_found"

@@ -14,8 +14,9 @@ from ninfer.cli.common import (
 DESCRIPTION = """\
 Serve a model over HTTP: OpenAI Chat Completions, Completions and Responses, Anthropic
 Messages, tokenize / detokenize, /health and Prometheus /metrics. Every option is checked at
-start-up; SIGINT / SIGTERM stop accepting connections, give in-flight streams
---shutdown-grace-s seconds, then cancel them. See docs/serving.md."""
+start-up; SIGINT / SIGTERM stop accepting connections, answer queued requests 503, give
+in-flight streams --shutdown-grace-s seconds, then end them with an error event saying the
+server is shutting down. See docs/serving.md."""
 
 EPILOG = """\
 examples:
@@ -66,6 +67,10 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="SSE comment interval while a stream waits or prefills (default: 10)")
     group.add_argument("--shutdown-grace-s", type=_non_negative_float, default=10.0, metavar="S",
                        help="time in-flight requests get after SIGINT / SIGTERM (default: 10)")
+    group.add_argument("--send-timeout-s", type=_positive_float, default=30.0, metavar="S",
+                       help="drop a client that takes none of its answer for this long (default: 30)")
+    group.add_argument("--body-timeout-s", type=_positive_float, default=60.0, metavar="S",
+                       help="longest wait for a request body; then 408 (default: 60)")
     group.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                        help="log verbosity; debug also logs every request (default: info)")
 
@@ -124,6 +129,7 @@ def settings_from_args(args: argparse.Namespace):
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_request_mib=args.max_request_mib, log_level=args.log_level,
         cors_origins=tuple(args.cors), keepalive_s=args.sse_keepalive_s, shutdown_grace_s=args.shutdown_grace_s,
+        send_timeout_s=args.send_timeout_s, body_timeout_s=args.body_timeout_s,
     )  # fmt: skip
 
 

@@ -24,6 +24,8 @@ from ninfer.models.loaded import ModelLoadError
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+# Texts longer than this are encoded through encode_batch, which releases the GIL.
+_LONG_TEXT_CHARS = 1 << 14
 
 # The split patterns of the tokenizer.json files llama.cpp's labels stand for. llama.cpp runs a
 # hand-expanded copy (its regex engine lacks `(?i:...)`); the `tokenizers` regex engine runs the
@@ -222,6 +224,10 @@ class Tokenizer:
 
         `add_special_tokens=True` adds what the model asks for around a sequence (e.g. bos).
         """
+        if len(text) > _LONG_TEXT_CHARS:
+            # `encode` holds the GIL throughout (seconds for megabytes, stalling every other
+            # thread, the server's event loop included); `encode_batch` lets it go.
+            return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:

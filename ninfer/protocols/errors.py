@@ -13,7 +13,10 @@ API renders it in its own shape:
 |                   |     (code invalid_api_key)         |                              |
 | not_found         | 404 invalid_request_error          | 404 not_found_error          |
 | method_not_allowed| 405 invalid_request_error          | 405 invalid_request_error    |
+| request_timeout   | 408 invalid_request_error          | 408 timeout_error            |
 | request_too_large | 413 invalid_request_error          | 413 request_too_large        |
+| unsupported_media | 415 invalid_request_error          | 415 invalid_request_error    |
+| headers_too_large | 431 invalid_request_error          | 431 invalid_request_error    |
 | overloaded        | 429 rate_limit_error               | 529 overloaded_error         |
 | unavailable       | 503 service_unavailable_error      | 503 overloaded_error         |
 | internal          | 500 server_error                   | 500 api_error                |
@@ -32,7 +35,10 @@ class ErrorKind(enum.Enum):
     AUTHENTICATION = "authentication"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TIMEOUT = "request_timeout"  # the body did not arrive in time
     REQUEST_TOO_LARGE = "request_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a body that is not application/json
+    HEADERS_TOO_LARGE = "headers_too_large"
     OVERLOADED = "overloaded"  # the pending queue is full
     UNAVAILABLE = "unavailable"  # queue timeout, or the engine is unhealthy
     INTERNAL = "internal"
@@ -43,7 +49,10 @@ _OPENAI = {
     ErrorKind.AUTHENTICATION: (401, "invalid_request_error"),
     ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.REQUEST_TIMEOUT: (408, "invalid_request_error"),
     ErrorKind.REQUEST_TOO_LARGE: (413, "invalid_request_error"),
+    ErrorKind.UNSUPPORTED_MEDIA_TYPE: (415, "invalid_request_error"),
+    ErrorKind.HEADERS_TOO_LARGE: (431, "invalid_request_error"),
     ErrorKind.OVERLOADED: (429, "rate_limit_error"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable_error"),
     ErrorKind.INTERNAL: (500, "server_error"),
@@ -54,7 +63,10 @@ _ANTHROPIC = {
     ErrorKind.AUTHENTICATION: (401, "authentication_error"),
     ErrorKind.NOT_FOUND: (404, "not_found_error"),
     ErrorKind.METHOD_NOT_ALLOWED: (405, "invalid_request_error"),
+    ErrorKind.REQUEST_TIMEOUT: (408, "timeout_error"),
     ErrorKind.REQUEST_TOO_LARGE: (413, "request_too_large"),
+    ErrorKind.UNSUPPORTED_MEDIA_TYPE: (415, "invalid_request_error"),
+    ErrorKind.HEADERS_TOO_LARGE: (431, "invalid_request_error"),
     ErrorKind.OVERLOADED: (529, "overloaded_error"),
     ErrorKind.UNAVAILABLE: (503, "overloaded_error"),
     ErrorKind.INTERNAL: (500, "api_error"),
@@ -63,10 +75,27 @@ _ANTHROPIC = {
 _DEFAULT_CODES = {
     ErrorKind.AUTHENTICATION: "invalid_api_key",
     ErrorKind.NOT_FOUND: "not_found",
+    ErrorKind.REQUEST_TIMEOUT: "request_timeout",
     ErrorKind.REQUEST_TOO_LARGE: "request_too_large",
+    ErrorKind.UNSUPPORTED_MEDIA_TYPE: "unsupported_media_type",
+    ErrorKind.HEADERS_TOO_LARGE: "headers_too_large",
     ErrorKind.OVERLOADED: "overloaded",
     ErrorKind.UNAVAILABLE: "service_unavailable",
 }
+
+
+_KIND_OF_STATUS = {
+    401: ErrorKind.AUTHENTICATION, 404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED,
+    408: ErrorKind.REQUEST_TIMEOUT, 413: ErrorKind.REQUEST_TOO_LARGE, 415: ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+    431: ErrorKind.HEADERS_TOO_LARGE,
+}  # fmt: skip
+
+
+def kind_of_status(status: int) -> ErrorKind:
+    """The kind of a framework's HTTP error status (other 4xx are invalid requests)."""
+    if status in _KIND_OF_STATUS:
+        return _KIND_OF_STATUS[status]
+    return ErrorKind.INVALID_REQUEST if status < 500 else ErrorKind.INTERNAL
 
 
 @attrs.frozen
@@ -104,7 +133,7 @@ def error_from_exception(exc: BaseException) -> ApiError:
         return exc
     from ninfer.protocols.strict import WireFormatError
     from ninfer.sched import request as engine
-    from ninfer.sched.request import EngineUnhealthy, Overloaded, QueueTimeout, RequestTooLarge
+    from ninfer.sched.request import EngineUnhealthy, Overloaded, QueueTimeout, RequestTooLarge, ShuttingDown
     from ninfer.server.calls import InvalidRequest, ModelNotFound
 
     if isinstance(exc, ModelNotFound):
@@ -114,9 +143,13 @@ def error_from_exception(exc: BaseException) -> ApiError:
     if isinstance(exc, WireFormatError):
         return ApiError(ErrorKind.INVALID_REQUEST, exc.message, exc.param, "invalid_value")
     if isinstance(exc, Overloaded):
-        return ApiError(ErrorKind.OVERLOADED, f"The server is busy: {exc or 'the request queue is full'}. Retry later.")
+        reason = str(exc).rstrip(". ") or "the request queue is full"
+        return ApiError(ErrorKind.OVERLOADED, f"The server is busy: {reason}. Retry later.")
     if isinstance(exc, QueueTimeout):
         return ApiError(ErrorKind.UNAVAILABLE, f"The request waited too long for a free slot: {exc}", code="queue_timeout")
+    if isinstance(exc, ShuttingDown):
+        return ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; retry on another server or later.",
+                        code="shutting_down")  # fmt: skip
     if isinstance(exc, EngineUnhealthy):
         return ApiError(ErrorKind.UNAVAILABLE, f"The inference engine is unavailable: {exc}", code="engine_unhealthy")
     engine_invalid = getattr(engine, "InvalidRequest", None)

@@ -285,7 +285,9 @@ def _make_converter():
         raise WireFormatError(f"expected a string or an array of content parts, got {_kind(value)}")
 
     def message(value, _type):
-        role = value.get("role") if isinstance(value, dict) else None
+        if not isinstance(value, dict):
+            raise WireFormatError(f"expected a message object, got {_kind(value)}")
+        role = value.get("role")
         cls = _MESSAGE_BY_ROLE.get(role)
         if cls is None:
             raise WireFormatError(f"unknown message role {role!r}; expected one of {', '.join(_MESSAGE_BY_ROLE)}")

@@ -136,7 +136,25 @@ def make_converter() -> cattrs.Converter:
     converter.register_structure_hook_func(lambda t: typing.get_origin(t) is typing.Literal, _literal)
     converter.register_structure_hook_func(lambda t: typing.get_origin(t) is list, _list_hook(converter))
     converter.register_structure_hook_func(_is_text_or_list, _text_or_list_hook(converter))
+    converter.register_structure_hook_factory(attrs.has, _object_hook_factory(converter))
     return converter
+
+
+def _object_hook_factory(converter: cattrs.Converter):
+    """cattrs' hook for an attrs class, but a non-object is named as such (cattrs would fail
+    inside with a Python message, like "'float' object has no attribute 'keys'")."""
+
+    def factory(cls):
+        structure_fields = converter.gen_structure_attrs_fromdict(cls)
+
+        def hook(value, type_):
+            if not isinstance(value, dict):
+                raise WireFormatError(f"expected an object, got {_json_kind(value)}")
+            return structure_fields(value, type_)
+
+        return hook
+
+    return factory
 
 
 def register_tagged_union(
@@ -236,5 +254,19 @@ def between(lo: float | None, hi: float | None):
             raise WireFormatError(
                 f"must be {bounds}, got {value}", path=(attribute.name,)
             )
+
+    return check
+
+
+def stop_sequences(limit: int):
+    """attrs validator: at most `limit` strings, none empty, reported at the field's path (an
+    empty stop sequence would end every answer before its first token)."""
+
+    def check(instance, attribute, value):
+        if len(value) > limit:
+            raise WireFormatError(f"at most {limit} stop sequences are allowed, got {len(value)}", path=(attribute.name,))
+        for index, text in enumerate(value):
+            if not text:
+                raise WireFormatError("stop sequences must not be empty", path=(attribute.name, str(index)))
 
     return check

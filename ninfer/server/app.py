@@ -3,29 +3,30 @@
 Every request gets an `x-request-id` (the client's, when it sent a sane one). Before any
 route runs: CORS preflights are answered, bodies over `--max-request-mib` are refused with 413
 from their Content-Length (before reading them), and, when API keys are set, every path but
-`/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`. Errors that escape a route
-(404, 405, 413, 401, bad JSON, engine errors) are rendered in the Anthropic shape under
-`/v1/messages` and in the OpenAI shape everywhere else.
+`/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`; OPTIONS then gets 204 with
+the route's methods. Errors that escape a route (401, 404, 405, 408, 413, 415, bad JSON,
+engine errors) are rendered in the Anthropic shape under `/v1/messages` and in the OpenAI
+shape everywhere else.
 
-Routes here: GET /health, /metrics, /v1/models, /v1/models/{id}. The OpenAI generation
-routes are in `routes_openai`; Anthropic and Responses register themselves from their own
-modules when present.
+Routes here: GET /health, /metrics, /v1/models, /v1/models/{id}. The generation routes are
+in `routes_openai`, `routes_anthropic` and `routes_responses`.
 """
 
 from __future__ import annotations
 
 import hmac
-import importlib
 import logging
 import re
 import secrets
 
-from quart import Response, g, request
+import trio
+from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
-from ninfer.server.http_io import json_response
+from ninfer.server import routes_anthropic, routes_openai, routes_responses
+from ninfer.server.http_io import http_api_error, json_response
 from ninfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from ninfer.server.settings import ServerSettings
 
@@ -34,13 +35,8 @@ log = logging.getLogger(__name__)
 ANTHROPIC_PREFIXES = ("/v1/messages",)
 OPEN_PATHS = ("/health",)  # never need a key
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-_HTTP_KINDS = {401: ErrorKind.AUTHENTICATION, 404: ErrorKind.NOT_FOUND, 405: ErrorKind.METHOD_NOT_ALLOWED,
-               413: ErrorKind.REQUEST_TOO_LARGE}  # fmt: skip
-# Errors raised before the route reads the request body.
-_UNREAD_BODY_KINDS = (ErrorKind.AUTHENTICATION, ErrorKind.NOT_FOUND, ErrorKind.METHOD_NOT_ALLOWED,
-                      ErrorKind.REQUEST_TOO_LARGE)  # fmt: skip
-# Route modules that add routes with `register(app, service)`, imported when present.
-EXTRA_ROUTE_MODULES = ("ninfer.server.routes_anthropic", "ninfer.server.routes_responses")
+# Statuses of errors raised before the route read all of the request body.
+_UNREAD_BODY_STATUSES = frozenset((401, 404, 405, 408, 413, 415))
 
 
 def create_app(service, settings: ServerSettings, metrics: ServerMetrics) -> QuartTrio:
@@ -48,26 +44,38 @@ def create_app(service, settings: ServerSettings, metrics: ServerMetrics) -> Qua
     app = QuartTrio("ninfer")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes  # also caps chunked bodies
     app.config["RESPONSE_TIMEOUT"] = None  # long answers are never cut off
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = settings.body_timeout_s
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = True
     _add_hooks(app, settings, metrics)
     _add_error_handlers(app)
     _add_basic_routes(app, service, metrics)
-    from ninfer.server import routes_openai
-
-    routes_openai.register(app, service)
-    for name in EXTRA_ROUTE_MODULES:
-        _register_optional(app, service, name)
+    for routes in (routes_openai, routes_anthropic, routes_responses):
+        routes.register(app, service)
+    app.asgi_app = _shield_last_send(app.asgi_app)
     return app
 
 
-def _register_optional(app, service, module_name: str) -> None:
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        log.warning("routes of %s unavailable: %s", module_name, e)
-        return
-    module.register(app, service)
+def _shield_last_send(asgi_app):
+    """The last message of each response is sent shielded from cancellation.
+
+    Hypercorn closes a `Connection: close` connection inside that send, and the disconnect it
+    reports to the app meanwhile makes quart-trio cancel the request's tasks, the send among
+    them: the socket then stayed open (a client sent 408 or 413 mid-body waited forever).
+    Only the final message is shielded; a client that reads nothing is bounded by the send
+    timeout (TCP_USER_TIMEOUT, `serve`).
+    """
+
+    async def app(scope, receive, send):
+        async def send_last_shielded(message):
+            if message.get("type") == "http.response.body" and not message.get("more_body", False):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await asgi_app(scope, receive, send_last_shielded)
+
+    return app
 
 
 def error_response(error: ApiError) -> Response:
@@ -77,10 +85,6 @@ def error_response(error: ApiError) -> Response:
     response = json_response(body, status)
     if error.kind is ErrorKind.AUTHENTICATION:
         response.headers["WWW-Authenticate"] = "Bearer"
-    if error.kind in _UNREAD_BODY_KINDS and _has_body():
-        # The body was never read; closing is the only way to stay in sync with the client
-        # (hypercorn would otherwise wait on the unread bytes and stall the next request).
-        response.headers["Connection"] = "close"
     return response
 
 
@@ -100,8 +104,9 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
         g.request_id = "req_" + secrets.token_hex(12)
         sent = request.headers.get("x-request-id", "")
         g.client_request_id = sent if _CLIENT_REQUEST_ID.match(sent) else None
-        if request.method == "OPTIONS" and settings.cors_origins:
-            return Response("", status=204)
+        is_options = request.method == "OPTIONS" and request.url_rule is not None
+        if is_options and settings.cors_origins:
+            return _options_response()  # a CORS preflight: browsers send it without credentials
         length = request.content_length
         if length is not None and length > limit:
             raise ApiError(ErrorKind.REQUEST_TOO_LARGE,
@@ -109,6 +114,8 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
         if keys and request.path not in OPEN_PATHS and not _has_valid_key(keys):
             raise ApiError(ErrorKind.AUTHENTICATION, "Missing or invalid API key: send it as "
                            "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")  # fmt: skip
+        if is_options:
+            return _options_response()
         return None
 
     @app.after_request
@@ -116,9 +123,35 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
         response.headers["x-request-id"] = getattr(g, "client_request_id", None) or g.get("request_id", "")
         if settings.cors_origins:
             _add_cors_headers(response, settings.cors_origins)
-        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        metrics.count_http(request.method, rule, response.status_code)
+        if response.status_code in _UNREAD_BODY_STATUSES and _has_body():
+            # The body was not read (or not all of it); closing is the only way to stay in sync
+            # with the client (hypercorn would wait on the unread bytes and stall the next request).
+            response.headers["Connection"] = "close"
+        metrics.count_http(request.method, _rule_label(), response.status_code)
         return response
+
+
+def _options_response() -> Response:
+    """204 with the route's methods (Quart's automatic answer is an empty 200 text/html page)."""
+    response = Response(b"", status=204)
+    response.headers["Allow"] = ", ".join(sorted(request.url_rule.methods or ()))
+    del response.headers["Content-Type"]
+    return response
+
+
+def _rule_label() -> str:
+    """The route a request went to, for metrics; for a 405, the route it asked the wrong method of."""
+    if request.url_rule is not None:
+        return request.url_rule.rule
+    failure = request.routing_exception
+    if isinstance(failure, MethodNotAllowed) and failure.valid_methods:
+        try:
+            adapter = current_app.url_map.bind(request.host)
+            rule, _ = adapter.match(request.path, method=failure.valid_methods[0], return_rule=True)
+            return rule.rule
+        except HTTPException:
+            pass
+    return "unmatched"
 
 
 def _has_valid_key(keys: tuple[bytes, ...]) -> bool:
@@ -156,12 +189,7 @@ def _add_error_handlers(app: QuartTrio) -> None:
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException):
-        kind = _HTTP_KINDS.get(error.code or 500, ErrorKind.INVALID_REQUEST if (error.code or 500) < 500 else ErrorKind.INTERNAL)
-        message = {404: f"No route for {request.method} {request.path}.",
-                   405: f"{request.method} is not allowed on {request.path}."}.get(error.code, error.description or str(error))  # fmt: skip
-        if error.code == 413:
-            message = f"The request body exceeds the limit of {app.config['MAX_CONTENT_LENGTH']} bytes."
-        return error_response(ApiError(kind, message, code="unknown_url" if error.code == 404 else None))
+        return error_response(http_api_error(error))
 
     @app.errorhandler(Exception)
     async def other_error(error: Exception):

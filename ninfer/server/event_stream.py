@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from ninfer.protocols.tool_calls import END_TAG, CallPiece, TextPiece, ToolCallParser
-from ninfer.sched.request import EngineError, Finished, FinishReason, Started, TokenDelta, Usage
+from ninfer.sched.request import EngineError, Finished, FinishReason, QueueTimeout, Started, TokenDelta, Usage
 from ninfer.server.calls import (
     CallEvent, CallFinished, CallStarted, Idle, LogprobEntry, TextDelta, ToolCallDelta,
 )  # fmt: skip
@@ -67,7 +67,7 @@ async def pump_events(engine, request, send, observer: CallObserver | None, *,
             except EngineError as e:
                 if not started:
                     raise
-                outcome = "queue_timeout"
+                outcome = "queue_timeout" if isinstance(e, QueueTimeout) else "error"
                 _send_failure(send, e)
             except Exception as e:
                 if not started:

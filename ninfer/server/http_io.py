@@ -2,31 +2,61 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
-from quart import Response, g
+from quart import Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
 
-from ninfer.protocols.errors import ApiError, ErrorKind
+from ninfer.protocols.errors import ApiError, ErrorKind, kind_of_status
+from ninfer.protocols.json_body import parse_json_body
 from ninfer.protocols.sse import SSE_HEADERS, encode_json
 from ninfer.server.calls import CallFinished, CallResult, CallStarted, Idle
 
 
+JSON_MEDIA_TYPE = "application/json"
+# Bodies larger than this are parsed off the event loop, so one big body never stalls the others.
+_PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
 async def read_json(request) -> Any:
-    """The request body parsed as JSON; a 400 (ApiError) when it is empty or not JSON."""
-    data = await request.get_data(as_text=False)
-    if not data.strip():
-        raise ApiError(ErrorKind.INVALID_REQUEST, "The request body is empty; send a JSON object.")
+    """The request body parsed as JSON (parse_json_body's rules).
+
+    A 415 unless the body is sent as application/json (a form or text/plain body is what a
+    cross-site page can send without asking); the framework's 413 / 408 while reading, as the
+    route's own ApiError.
+    """
+    if request.mimetype != JSON_MEDIA_TYPE:
+        got = f"'{request.mimetype}'" if request.mimetype else "no Content-Type"
+        raise ApiError(ErrorKind.UNSUPPORTED_MEDIA_TYPE,
+                       f"Send the request body as JSON with 'Content-Type: {JSON_MEDIA_TYPE}'; got {got}.")  # fmt: skip
     try:
-        return json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ApiError(ErrorKind.INVALID_REQUEST, f"The request body is not valid JSON: {e}.") from None
+        data = await request.get_data(as_text=False)
+    except HTTPException as e:
+        raise http_api_error(e) from None
+    if len(data) > _PARSE_IN_THREAD_BYTES:
+        return await trio.to_thread.run_sync(parse_json_body, data)
+    return parse_json_body(data)
+
+
+def http_api_error(error: HTTPException) -> ApiError:
+    """A framework HTTP error (routing, body limits and timeouts) as an ApiError of its kind."""
+    status = error.code or 500
+    messages = {
+        404: f"No route for {request.method} {request.path}.",
+        405: f"{request.method} is not allowed on {request.path}.",
+        408: f"The request body did not arrive within {current_app.config['BODY_TIMEOUT']} s.",
+        413: f"The request body exceeds the limit of {current_app.config['MAX_CONTENT_LENGTH']} bytes.",
+    }
+    message = messages.get(status) or error.description or str(error)
+    return ApiError(kind_of_status(status), message, code="unknown_url" if status == 404 else None)
 
 
 def json_response(body: Any, status: int = 200) -> Response:
-    return Response(encode_json(body), status=status, content_type="application/json")
+    # "replace": a lone surrogate (say, from a request's URL) must never fail the error page itself
+    data = encode_json(body).encode("utf-8", "replace")
+    return Response(data, status=status, content_type=JSON_MEDIA_TYPE)
 
 
 def request_id_of(request) -> str:
@@ -39,7 +69,8 @@ def raise_if_failed(result: CallResult | CallFinished) -> None:
     if result.reason == "error":
         raise ApiError(ErrorKind.INTERNAL, f"The model failed while answering: {result.error or 'unknown error'}")
     if result.reason == "cancelled":
-        raise ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; the answer was cancelled.")
+        raise ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; the answer was cancelled.",
+                       code="shutting_down")  # fmt: skip
 
 
 async def first_events(stream) -> list:

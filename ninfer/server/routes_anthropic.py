@@ -41,7 +41,7 @@ def register(app, service) -> None:
         try:
             body = wire.parse_count_tokens_request(await read_json(request))
             service.check_model(body.model)
-            num_tokens = service.count_tokens(wire.to_chat_call(body))
+            num_tokens = await service.count_tokens(wire.to_chat_call(body))
             return json_response({"input_tokens": num_tokens})
         except trio.Cancelled:
             raise

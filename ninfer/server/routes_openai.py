@@ -41,7 +41,7 @@ def register(app, service) -> None:
     async def detokenize():
         body = structure(wire.IN_CONVERTER, await read_json(request), wire.DetokenizeRequest)
         service.check_model(body.model)
-        return json_response({"prompt": service.detokenize(body.tokens)})
+        return json_response({"prompt": await service.detokenize(body.tokens)})
 
     app.add_url_rule("/v1/chat/completions", "openai_chat", chat_completions, methods=["POST"])
     app.add_url_rule("/v1/completions", "openai_completions", completions, methods=["POST"])
@@ -107,7 +107,7 @@ async def _completions(service) -> Response:
     response_id, created = "cmpl-" + g.request_id.removeprefix("req_"), int(time.time())
     echo = ""
     if req.echo:
-        echo = call.prompt if isinstance(call.prompt, str) else service.detokenize(list(call.prompt))
+        echo = call.prompt if isinstance(call.prompt, str) else await service.detokenize(list(call.prompt))
     if not req.stream:
         result = await service.complete(call)
         raise_if_failed(result)
@@ -158,7 +158,7 @@ async def _tokenize(service) -> Response:
         raise ApiError(ErrorKind.INVALID_REQUEST, "Send exactly one of prompt or messages.", "prompt")
     if body.prompt is not None:
         add_special = body.add_special_tokens is not False
-        ids = service.tokenize(body.prompt, add_special_tokens=add_special)
+        ids = await service.tokenize(body.prompt, add_special_tokens=add_special)
     else:
-        ids = service.chat_prompt_ids(calls.tokenize_chat_call(body))
+        ids = await service.chat_prompt_ids(calls.tokenize_chat_call(body))
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": service.max_context})

@@ -4,9 +4,16 @@
         host, port = await nursery.start(serve, ServerSettings(port=0))
 
 reports the bound address once the socket listens. Shutdown: SIGINT / SIGTERM (when running in
-the main thread) or `shutdown_trigger` returning. Hypercorn then stops accepting connections,
-lets in-flight requests and streams run for `settings.shutdown_grace_s`, and cancels what is
-left; the service, engine and runner close after it. A second signal cancels at once.
+the main thread) or `shutdown_trigger` returning. Hypercorn then stops accepting connections;
+queued requests are answered 503 at once; running requests and streams get
+`settings.shutdown_grace_s`, after which the engine cancels them, so each stream still ends
+with its API's error event (the server is shutting down) before it closes. Hypercorn cancels
+whatever is left a second later; the service, engine and runner close after it. A second
+signal cancels at once.
+
+A client that takes no data for `settings.send_timeout_s` is dropped by the kernel
+(TCP_USER_TIMEOUT on the listening socket, which accepted sockets inherit): its connection
+closes, its request is cancelled and its buffers are freed.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
@@ -23,6 +31,8 @@ import trio
 from ninfer.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
+
+_FINAL_EVENTS_S = 1.0
 
 
 async def serve(
@@ -72,10 +82,10 @@ async def _serve_with_runner(settings, model, runner, max_context, shutdown_trig
         async with open_service(engine, model, max_context=engine.max_context, model_id=settings.model_id,
                                 defaults=defaults, keepalive_s=settings.keepalive_s) as service:  # fmt: skip
             app = create_app(service, settings, metrics)
-            await _run_http(app, settings, shutdown_trigger, handle_signals, task_status)
+            await _run_http(app, service, settings, shutdown_trigger, handle_signals, task_status)
 
 
-async def _run_http(app, settings: ServerSettings, shutdown_trigger, handle_signals, task_status) -> None:
+async def _run_http(app, service, settings: ServerSettings, shutdown_trigger, handle_signals, task_status) -> None:
     import hypercorn.trio
 
     if handle_signals is None:
@@ -86,11 +96,12 @@ async def _run_http(app, settings: ServerSettings, shutdown_trigger, handle_sign
             nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
         if shutdown_trigger is not None:
             nursery.start_soon(_set_after, shutdown_trigger, shutdown)
+        nursery.start_soon(_end_requests_on_shutdown, shutdown, service, settings.shutdown_grace_s)
 
         async def run_hypercorn(*, task_status):
             await hypercorn.trio.serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown.wait,
                                        task_status=task_status)  # fmt: skip
-            nursery.cancel_scope.cancel()  # stop the signal watcher once the server has drained
+            nursery.cancel_scope.cancel()  # stop the other tasks once the server has drained
 
         binds = await nursery.start(run_hypercorn)
         address = _address_of(binds[0])
@@ -98,17 +109,77 @@ async def _run_http(app, settings: ServerSettings, shutdown_trigger, handle_sign
         task_status.started(address)
 
 
+async def _end_requests_on_shutdown(shutdown: trio.Event, service, grace_s: float) -> None:
+    await shutdown.wait()
+    service.drain()
+    await trio.sleep(grace_s)
+    log.warning("shutdown grace period over: cancelling the requests still running")
+    service.cancel_all()
+
+
 def _hypercorn_config(settings: ServerSettings):
     from hypercorn.config import Config
 
     config = Config()
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config.bind = [f"{host}:{settings.port}"]
-    config.graceful_timeout = settings.shutdown_grace_s
+    config.bind = [f"fd://{_listening_socket(settings).detach()}"]
+    # The engine ends what still runs at the grace period's end; its streams get this margin
+    # to send their final error events before hypercorn cancels them.
+    config.graceful_timeout = settings.shutdown_grace_s + _FINAL_EVENTS_S
     config.accesslog = logging.getLogger("ninfer.access") if settings.log_level == "debug" else None
-    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog = _hypercorn_error_log()
     config.include_server_header = False
     return config
+
+
+def _hypercorn_error_log() -> logging.Logger:
+    errorlog = logging.getLogger("hypercorn.error")
+    if not any(isinstance(f, _OneLineDisconnects) for f in errorlog.filters):
+        errorlog.addFilter(_OneLineDisconnects())
+    return errorlog
+
+
+class _OneLineDisconnects(logging.Filter):
+    """A client that hangs up while its answer is written (after a body timeout, say) makes
+    hypercorn log a 35-line traceback of trio's stream errors; one line says the same."""
+
+    _GONE = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or not _only(error, self._GONE):
+            return True
+        record.msg, record.args = "a client hung up while its answer was being sent (%s)", (type(_leaf(error)).__name__,)
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def _only(error: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    if isinstance(error, BaseExceptionGroup):
+        return all(_only(e, kinds) for e in error.exceptions)
+    return isinstance(error, kinds)
+
+
+def _leaf(error: BaseException) -> BaseException:
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _listening_socket(settings: ServerSettings) -> socket.socket:
+    """The bound (not yet listening) socket hypercorn serves, with the send timeout set."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; elsewhere slow readers are not dropped
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(settings.send_timeout_s * 1000))
+        sock.bind((settings.host, settings.port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _address_of(bind: str) -> tuple[str, int]:

@@ -57,6 +57,12 @@ from ninfer.server.event_stream import CallObserver, EventStream, pump_events
 log = logging.getLogger(__name__)
 
 _CHANNEL_SIZE = 256
+# Large inputs templated / tokenized at once, in worker threads: few, so a burst of huge
+# prompts leaves cores to the engine. Small inputs never queue behind them.
+LARGE_INPUT_THREADS = 2
+LARGE_INPUT_CHARS = 1 << 16
+# Normalizers may turn several characters into one (ligatures, stripped accents): a margin.
+_NORMALIZER_MARGIN = 4
 
 
 @attrs.frozen(kw_only=True)
@@ -83,6 +89,8 @@ class GenerationService:
         self.observer = observer
         self.created_s = int(time.time())  # the model's "created" in /v1/models
         self._nursery = nursery
+        self._large_input_limiter = trio.CapacityLimiter(LARGE_INPUT_THREADS)
+        self._max_chars_per_token = _max_chars_per_token(model.tokenizer)
 
     # ---- model, tokens ----------------------------------------------------------------
 
@@ -93,26 +101,61 @@ class GenerationService:
     def statistics(self):
         return self.engine.statistics()
 
+    def drain(self) -> None:
+        """Shutdown, first part: refuse new calls, answer the queued ones 503 at once."""
+        self.engine.drain()
+
+    def cancel_all(self) -> None:
+        """Shutdown, last part: end every running call (its stream ends with its API's error)."""
+        self.engine.cancel_all()
+
     def check_model(self, name: str | None) -> None:
         """Raise ModelNotFound unless `name` is this server's model (its id or file name)."""
         if name is not None and name not in (self.model_id, self.model.name):
             raise ModelNotFound(name, self.model_id)
 
-    def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    # Templating, tokenizing and detokenizing run in worker threads (`_off_loop`): a prompt of
+    # megabytes takes seconds, and on the event loop it would stall every stream and /health.
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    async def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return await self._off_loop(len(text), self._encode, text, add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
         self._check_token_ids(token_ids, "tokens")
-        return self.model.tokenizer.decode(list(token_ids))
+        return await self._off_loop(len(token_ids), self.model.tokenizer.decode, list(token_ids))
 
-    def chat_prompt_ids(self, call: ChatCall) -> list[int]:
+    async def chat_prompt_ids(self, call: ChatCall) -> list[int]:
         """The token ids the model sees for this chat call."""
         validate_tool_choice(call)
-        text = render_chat(self.model, call)
-        return self.tokenize(text)
+        return await self._off_loop(_num_chars(call), self._chat_ids, call, False)
 
-    def count_tokens(self, call: ChatCall) -> int:
-        return len(self.chat_prompt_ids(call))
+    async def count_tokens(self, call: ChatCall) -> int:
+        return len(await self.chat_prompt_ids(call))
+
+    async def _off_loop(self, num_chars: int, fn, *args):
+        """`fn(*args)` in a worker thread; inputs of LARGE_INPUT_CHARS or more take turns."""
+        limiter = self._large_input_limiter if num_chars >= LARGE_INPUT_CHARS else None
+        return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _chat_ids(self, call: ChatCall, to_run: bool) -> list[int]:
+        """(in a worker thread) Render and tokenize; `to_run`: refuse a prompt too long to run
+        before tokenizing it."""
+        text = render_chat(self.model, call)
+        if to_run:
+            self._check_prompt_length(text, call.max_tokens)
+        return self._encode(text, False)
+
+    def _check_prompt_length(self, text: str, max_tokens: int | None) -> None:
+        """Refuse a text that cannot fit the context whatever it tokenizes to (no token covers
+        more than `_max_chars_per_token` characters), without spending seconds tokenizing it."""
+        if self._max_chars_per_token is None:
+            return
+        min_tokens = len(text) // self._max_chars_per_token
+        if min_tokens + (max_tokens or 1) > self.max_context:
+            raise _context_exceeded(self.max_context, min_tokens, max_tokens or 1, at_least=True)
 
     def token_text(self, token_id: int) -> str:
         return self.model.tokenizer.decode([int(token_id)])
@@ -128,7 +171,8 @@ class GenerationService:
 
     async def start_chat(self, call: ChatCall) -> EventStream:
         """Validate, render and submit a chat call; the returned stream yields its events."""
-        prompt_ids = self.chat_prompt_ids(call)
+        validate_tool_choice(call)
+        prompt_ids = await self._off_loop(_num_chars(call), self._chat_ids, call, True)
         constraint = None
         if self._needs_grammar(call):
             compiler = self._require_grammar()
@@ -143,7 +187,8 @@ class GenerationService:
     async def start_completion(self, call: CompletionCall) -> EventStream:
         """Submit a raw-text (or token-id) completion; no template, no tools."""
         if isinstance(call.prompt, str):
-            prompt_ids = self.tokenize(call.prompt, add_special_tokens=True)
+            self._check_prompt_length(call.prompt, call.max_tokens)
+            prompt_ids = await self.tokenize(call.prompt, add_special_tokens=True)
         else:
             prompt_ids = list(call.prompt)
             self._check_token_ids(prompt_ids, "prompt")
@@ -177,13 +222,17 @@ class GenerationService:
         return self.grammar
 
     def _request(self, prompt_ids, call: GenerationOptions, *, stop: tuple[str, ...], constraint) -> GenerationRequest:
-        return GenerationRequest(
-            prompt_ids=tuple(int(t) for t in prompt_ids),
-            max_tokens=self._max_tokens(len(prompt_ids), call.max_tokens),
-            sampling=self._sampling(call.sampling), stop=stop, seed=call.seed,
-            logprobs=call.logprobs, top_logprobs=call.top_logprobs, constraint=constraint,
-            cache_salt=call.cache_salt, cache_read_only=call.cache_read_only, request_id=call.request_id,
-        )  # fmt: skip
+        max_tokens = self._max_tokens(len(prompt_ids), call.max_tokens)
+        sampling = self._sampling(call.sampling)
+        try:
+            return GenerationRequest(
+                prompt_ids=tuple(int(t) for t in prompt_ids), max_tokens=max_tokens, sampling=sampling,
+                stop=stop, seed=call.seed, logprobs=call.logprobs, top_logprobs=call.top_logprobs,
+                constraint=constraint, cache_salt=call.cache_salt, cache_read_only=call.cache_read_only,
+                request_id=call.request_id,
+            )  # fmt: skip
+        except ValueError as e:  # the engine's own checks, should a call get past the edge's
+            raise InvalidRequest(f"{e}.", code="invalid_value") from None
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         room = self.max_context - num_prompt_tokens
@@ -225,12 +274,27 @@ class GenerationService:
         return self.token_text(token_id), self.token_bytes(token_id)
 
 
-def _context_exceeded(max_context: int, num_prompt: int, num_new: int) -> InvalidRequest:
+def _context_exceeded(max_context: int, num_prompt: int, num_new: int, *, at_least: bool = False) -> InvalidRequest:
+    more = "at least " if at_least else ""
     return InvalidRequest(
         f"This model's maximum context length is {max_context} tokens. However, you requested "
-        f"{num_prompt + num_new} tokens ({num_prompt} in the prompt, {num_new} for the answer).",
+        f"{more}{num_prompt + num_new} tokens ({more}{num_prompt} in the prompt, {num_new} for the answer).",
         "messages", code="context_length_exceeded",
     )  # fmt: skip
+
+
+def _num_chars(call: ChatCall) -> int:
+    """About how much text a chat call renders (its messages' contents; tools are small)."""
+    return sum(len(content) if isinstance(content := m.get("content"), str) else 0 for m in call.messages)
+
+
+def _max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of text one token can stand for, with a margin (None: unknown)."""
+    try:
+        longest = max(map(len, tokenizer.hf.get_vocab()))
+    except Exception:  # a tokenizer without a vocabulary to read: no early length check
+        return None
+    return max(1, longest) * _NORMALIZER_MARGIN
 
 
 def new_call_id() -> str:

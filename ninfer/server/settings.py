@@ -60,6 +60,8 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()  # allowed browser origins; "*" = any
     keepalive_s: float = 10.0  # SSE comment interval on an idle stream
     shutdown_grace_s: float = 10.0  # in-flight streams get this long after SIGINT / SIGTERM
+    send_timeout_s: float = 30.0  # a client that takes no data for this long is dropped
+    body_timeout_s: float = 60.0  # a request body must arrive within this long
 
     def __attrs_post_init__(self):
         _check(bool(self.host), "--host must not be empty")
@@ -86,6 +88,8 @@ class ServerSettings:
             _check(bool(_ORIGIN.match(origin)), f"--cors takes '*' or an origin like https://example.com, got {origin!r}")
         _check(self.keepalive_s > 0, f"--sse-keepalive-s must be positive, got {self.keepalive_s}")
         _check(self.shutdown_grace_s >= 0, f"--shutdown-grace-s must be at least 0, got {self.shutdown_grace_s}")
+        for flag, value in (("--send-timeout-s", self.send_timeout_s), ("--body-timeout-s", self.body_timeout_s)):
+            _check(math.isfinite(value) and value > 0, f"{flag} must be a finite positive number, got {value}")
         try:
             self.sampling_defaults()
         except ValueError as e:
