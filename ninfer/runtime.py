@@ -11,39 +11,46 @@ from contextlib import asynccontextmanager
 
 import attrs
 
-from ninfer.gpu.runner import Runner
+from ninfer.core.runner import Runner
 from ninfer.models.loaded import LoadedModel
+from ninfer.sched.config import ConfigError, EngineConfig
 
 BACKENDS = ("auto", "cuda", "reference")
-ACTIVATIONS = ("f32", "q8")  # CUDA decode linears: exact float32, or int8 blocks with dp4a
+# CUDA decode linears: int8 activation blocks with dp4a (llama.cpp's scheme, the default: the
+# fast path, checked against f32 by tests/test_gpu_quality.py), or float32 activations (logits
+# within ~1e-3 of the CPU reference).
+ACTIVATIONS = ("f32", "q8")
+DEFAULT_CONTEXT_CAP = 8192  # --max-context unset: the model's context, at most this
 # Host memory the reference backend's KV pool may take when --kv-capacity is auto.
 REFERENCE_AUTO_KV_BYTES = 2 << 30
 
 
-class ConfigError(Exception):
-    """A bad combination of runtime options (one readable sentence)."""
+def _one_of(flag: str, choices: tuple[str, ...]):
+    def check(instance, attribute, value):
+        if value not in choices:
+            raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
-
-def _kv_capacity(instance, attribute, value):
-    if value != "auto" and (not isinstance(value, int) or value <= 0):
-        raise ValueError(f"kv_capacity must be a positive number of tokens or 'auto', got {value!r}")
+    return check
 
 
 @attrs.frozen(kw_only=True)
 class RuntimeOptions:
-    backend: str = attrs.field(default="auto", validator=attrs.validators.in_(BACKENDS))
-    kv_capacity: int | str = attrs.field(default="auto", validator=_kv_capacity)  # tokens
-    page_size: int = 16
-    max_context: int | None = None  # None: the model's context, capped at 8192
+    """How to build the runner: the backend and its kernels' choices.
+
+    The runner's geometry (page size, context, KV capacity) is the engine's: `EngineConfig`
+    declares it once, and `create_runner` takes both.
+    """
+
+    backend: str = attrs.field(default="auto", validator=_one_of("--backend", BACKENDS))
+    activations: str = attrs.field(default="q8", validator=_one_of("--activations", ACTIVATIONS))
     max_batch_rows: int = 64
-    activations: str = attrs.field(default="f32", validator=attrs.validators.in_(ACTIVATIONS))
     max_tokens_per_step: int = 4096  # CUDA: tokens one forward's buffers hold (longer prefills split)
 
 
-def parse_kv_capacity(text: str) -> int | str:
-    """`auto` or a positive token count (argparse type)."""
+def parse_kv_capacity(text: str) -> int | None:
+    """`auto` (None: fit free memory) or a positive token count (argparse type)."""
     if text == "auto":
-        return text
+        return None
     try:
         value = int(text)
     except ValueError:
@@ -66,47 +73,36 @@ def resolve_backend(name: str) -> str:
     return "cuda" if cuda_available() else "reference"
 
 
-def effective_max_context(model: LoadedModel, options: RuntimeOptions) -> int:
-    limit = model.spec.max_context
-    if options.max_context is None:
-        return min(limit, 8192)
-    if options.max_context > limit:
-        raise ConfigError(
-            f"--max-context {options.max_context} exceeds the model's context of {limit} tokens"
-        )
-    return options.max_context
+def config_for_model(model: LoadedModel, config: EngineConfig) -> EngineConfig:
+    """`config` with its context limit resolved for `model` (unset: the model's, capped at
+    DEFAULT_CONTEXT_CAP; above the model's: ConfigError)."""
+    return config.for_model(model.spec.max_context, cap=DEFAULT_CONTEXT_CAP)
 
 
-def num_pages_for(model: LoadedModel, options: RuntimeOptions, backend: str, max_context: int) -> int:
-    """KV pool size in pages; an explicit capacity must hold at least one full context."""
-    page = options.page_size
-    if options.kv_capacity == "auto":
+def num_pages_for(model: LoadedModel, config: EngineConfig, backend: str) -> int:
+    """KV pool size in pages for a resolved `config` (its kv_capacity, else auto)."""
+    page = config.page_size
+    if config.kv_capacity is None:
         if backend == "cuda":
             from ninfer.gpu.cuda.runner import auto_num_pages
 
             return auto_num_pages(model.spec, page)
         per_page = model.spec.kv_bytes_per_token(4) * page
-        return max(REFERENCE_AUTO_KV_BYTES // per_page, -(-max_context // page))
-    pages = -(-options.kv_capacity // page)
-    if pages * page < max_context:
-        raise ConfigError(
-            f"--kv-capacity {options.kv_capacity} is smaller than the context of {max_context} "
-            "tokens; raise it or lower --max-context"
-        )
-    return pages
+        return max(REFERENCE_AUTO_KV_BYTES // per_page, -(-config.max_context // page))
+    return -(-config.kv_capacity // page)
 
 
-def create_runner(model: LoadedModel, options: RuntimeOptions) -> tuple[Runner, str, int]:
-    """(runner, backend name, max_context) for this model and these options."""
+def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineConfig) -> tuple[Runner, str, EngineConfig]:
+    """(runner, backend name, `config` resolved for the model) for these options and limits."""
     backend = resolve_backend(options.backend)
-    max_context = effective_max_context(model, options)
-    num_pages = num_pages_for(model, options, backend, max_context)
+    config = config_for_model(model, config)
+    num_pages = num_pages_for(model, config, backend)
     if backend == "cuda":
         from ninfer.gpu.cuda.runner import CudaRunner
 
         runner = CudaRunner(
-            model, num_pages=num_pages, page_size=options.page_size, max_batch_rows=options.max_batch_rows,
-            max_tokens_per_step=options.max_tokens_per_step, max_context=max_context,
+            model, num_pages=num_pages, page_size=config.page_size, max_batch_rows=options.max_batch_rows,
+            max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
             activations=options.activations,
         )  # fmt: skip
     else:
@@ -114,8 +110,20 @@ def create_runner(model: LoadedModel, options: RuntimeOptions) -> tuple[Runner, 
         from ninfer.gpu.reference import ReferenceRunner
 
         limit_blas_threads()
-        runner = ReferenceRunner(model, num_pages=num_pages, page_size=options.page_size)
-    return runner, backend, max_context
+        runner = ReferenceRunner(model, num_pages=num_pages, page_size=config.page_size)
+    return runner, backend, config
+
+
+def warm_up(runner: Runner, backend: str, config: EngineConfig, *, progress: bool = False) -> float | None:
+    """Compile every kernel and capture every batch shape `config` can produce (CUDA), so no
+    request waits for it; seconds taken, or None where the backend has nothing to warm."""
+    if backend != "cuda":
+        return None
+    import time
+
+    started = time.perf_counter()
+    runner.warm_up(max_rows=config.max_concurrency, max_context=config.max_context, progress=progress)
+    return time.perf_counter() - started
 
 
 def load(model_arg: str | None, *, progress: bool = True) -> LoadedModel:
@@ -128,14 +136,13 @@ def load(model_arg: str | None, *, progress: bool = True) -> LoadedModel:
 
 @asynccontextmanager
 async def open_runtime(
-    model: LoadedModel, options: RuntimeOptions, **engine_fields
+    model: LoadedModel, options: RuntimeOptions, config: EngineConfig
 ) -> AsyncIterator[tuple[object, Runner, str]]:
     """Create the runner and open an engine on it: yields (engine, runner, backend)."""
-    from ninfer.sched.engine import EngineConfig, open_engine
+    from ninfer.sched.engine import open_engine
 
-    runner, backend, max_context = create_runner(model, options)
+    runner, backend, config = create_runner(model, options, config)
     try:
-        config = EngineConfig(max_context=max_context, page_size=options.page_size, **engine_fields)
         async with open_engine(
             config, runner, model.tokenizer, stop_token_ids=model.stop_token_ids
         ) as engine:

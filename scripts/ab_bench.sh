@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# A/B of engine switches on the GPU machine: the same bench once per variant, each variant a
-# line of Python run after importing the modules below (so a module flag can be flipped).
-#   scripts/ab_bench.sh smol|8b "label:python" ["label:python" ...]
-#   scripts/ab_bench.sh smol "folds:" "no-folds:forward.FUSE_ONE_ROW = False"
-#   scripts/ab_bench.sh 8b "default:" "post:forward.POST_IN_ATTENTION = True"
-# Names in scope: forward (ninfer.gpu.cuda.forward), gemv (ninfer.gpu.cuda.gemv). Extra bench
-# arguments: AB_ARGS="--streams 1,4".
+# A/B of KernelPlans on the GPU machine: the same bench once per variant, each variant the
+# default plan with some fields changed (ninfer.gpu.cuda.plan.parse_plan: "field=value; ...").
+#   scripts/ab_bench.sh smol|8b "label:fields" ["label:fields" ...]
+#   scripts/ab_bench.sh smol "folds:" "no-folds:folds=()"
+#   scripts/ab_bench.sh 8b "default:" "plain-loads:evict_first=False"
+# Extra bench arguments: AB_ARGS="--streams 1,4".
 set -uo pipefail
 MODEL=${1:?smol or 8b}
 shift
@@ -16,10 +15,12 @@ else
 fi
 for V in "$@"; do
   echo "== ${V%%:*}"
-  python3 -c "import sys, runpy
-import ninfer.gpu.cuda.forward as forward, ninfer.gpu.cuda.gemv as gemv
-${V#*:}
-sys.argv = ['bench'] + sys.argv[1:]
-runpy.run_module('ninfer.cli.bench', run_name='__main__')" $ARGS ${AB_ARGS:-} --backend cuda --activations q8 2>&1 \
+  python3 -c "import functools, sys, runpy
+from ninfer.gpu.cuda import runner
+from ninfer.gpu.cuda.plan import parse_plan
+# every CudaRunner the bench builds takes this plan
+runner.CudaRunner.__init__ = functools.partialmethod(runner.CudaRunner.__init__, plan=parse_plan(sys.argv[1]))
+sys.argv = ['bench'] + sys.argv[2:]
+runpy.run_module('ninfer.cli.bench', run_name='__main__')" "${V#*:}" $ARGS ${AB_ARGS:-} --backend cuda --activations q8 2>&1 \
     | grep -v "uploading weights"
 done

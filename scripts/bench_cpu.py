@@ -17,7 +17,8 @@ import numpy as np
 
 from ninfer.gpu.blas import available_cores, limit_blas_threads, num_blas_threads_in_use
 from ninfer.gpu.reference import ReferenceRunner
-from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
+from ninfer.core.params import SamplingParams
+from ninfer.core.runner import SampleSpec, StepRow
 
 GREEDY = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=0)
 PROMPT_TOKENS = 32  # prompt of each decoding sequence

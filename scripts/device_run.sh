@@ -36,24 +36,24 @@ if has dmon; then  # SM / memory clocks and power once a second while the rest r
   nvidia-smi dmon -s pc -d 1 > "$OUT/dmon.txt" 2>&1 &
 fi
 if has tune; then  # single-kernel device times at model shapes (GEMV variants, RMSNorm, attention)
-  timeout ${TUNE_S:-150} python3 -m ninfer.gpu.cuda.gemv_tune --json "$OUT/tune.json" 2>&1 | tail -n 80 > "$OUT/tune.txt"
+  timeout ${TUNE_S:-150} python3 -m tools.gemv_tune --json "$OUT/tune.json" 2>&1 | tail -n 80 > "$OUT/tune.txt"
 fi
-if has attn; then  # decode attention paths alone, us a layer (lpm: the splits merged in the block)
-  timeout ${ATTN_S:-200} python3 -m ninfer.gpu.cuda.attn_tune --shapes llama3-8b,smollm2-135m --rows 1,4,16 \
+if has attn; then  # decode attention paths alone, us a layer
+  timeout ${ATTN_S:-200} python3 -m tools.attn_tune --shapes llama3-8b,smollm2-135m --rows 1,4,16 \
     --contexts 128,192,256 --variants 8x4 --json "$OUT/attn.json" 2>&1 | grep '"speedup"' | tee "$OUT/attn.txt"
 fi
 if has ncu; then  # device time of every kernel of one captured decode step
   NCU="ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv"
   NACT=${ACTS%% *}; NACT=${NACT:-q8}  # the first of ACTS
-  timeout ${NCU_S:-120} $NCU python3 -m ninfer.gpu.cuda.profile ${NINFER_TEST_GGUF:-} --ncu --streams 1,64 --activations $NACT > "$OUT/ncu_smollm2.csv" 2>&1
-  [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m ninfer.gpu.cuda.profile --random llama3-8b --ncu --streams 1 --activations $NACT > "$OUT/ncu_8b.csv" 2>&1
+  timeout ${NCU_S:-120} $NCU python3 -m tools.profile ${NINFER_TEST_GGUF:-} --ncu --streams 1,64 --activations $NACT > "$OUT/ncu_smollm2.csv" 2>&1
+  [ "${NCU8B_S:-150}" != 0 ] && timeout ${NCU8B_S:-150} $NCU python3 -m tools.profile --random llama3-8b --ncu --streams 1 --activations $NACT > "$OUT/ncu_8b.csv" 2>&1
   tail -n 3 "$OUT"/ncu_*.csv
 fi
 if has timeline; then  # one 8B Q8_0 decode graph replay under Nsight Systems, kernel by kernel (if nsys is there)
   NSYS=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -n 1)
   if [ -n "$NSYS" ]; then
     timeout ${TIMELINE_S:-200} "$NSYS" profile --cuda-graph-trace=node --capture-range=cudaProfilerApi -f true -o /tmp/step8b \
-      python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 --ncu --streams 1 \
+      python3 -m tools.profile --random llama3-8b --random-qtype Q8_0 --activations q8 --ncu --streams 1 \
       > "$OUT/timeline.log" 2>&1
     "$NSYS" stats --report cuda_gpu_trace --format csv --output /tmp/step8b /tmp/step8b.nsys-rep >> "$OUT/timeline.log" 2>&1
     cp /tmp/step8b_cuda_gpu_trace.csv "$OUT/" 2>/dev/null
@@ -68,24 +68,22 @@ if has trace; then  # the 8B Q8_0 one-stream step kernel by kernel through CUPTI
       && touch /tmp/cupti/.done
   fi
   PYTHONPATH=$PYTHONPATH:/tmp/cupti LD_LIBRARY_PATH=/tmp/cupti/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} \
-    timeout ${TRACE_S:-240} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
+    timeout ${TRACE_S:-240} python3 -m tools.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
     --streams 1 --rounds 1 --steps 20 --trace ${TRACE_REPS:-10} --variant "default:" ${TRACE_VARIANTS:-} \
     --json "$OUT/trace.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/trace.txt"
 fi
 if has profile; then
   MODEL_ARG=${NINFER_TEST_GGUF:-}
-  timeout ${PROFILE_S:-90} python3 -m ninfer.gpu.cuda.profile $MODEL_ARG --streams 1,16,64 2>&1 | grep -v "uploading weights" | tee "$OUT/profile.txt"
-  timeout ${PROFILE8B_S:-120} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --streams 1,16 --steps 10 2>&1 | grep -v "uploading weights" | tee -a "$OUT/profile.txt"
+  timeout ${PROFILE_S:-90} python3 -m tools.profile $MODEL_ARG --streams 1,16,64 2>&1 | grep -v "uploading weights" | tee "$OUT/profile.txt"
+  timeout ${PROFILE8B_S:-120} python3 -m tools.profile --random llama3-8b --streams 1,16 --steps 10 2>&1 | grep -v "uploading weights" | tee -a "$OUT/profile.txt"
 fi
 if has steps8b; then  # the 8B Q8_0 one-stream step: in-step cost of each launch kind, then A/B variants
-  timeout ${STEPS8B_S:-540} python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
+  timeout ${STEPS8B_S:-540} python3 -m tools.profile --random llama3-8b --random-qtype Q8_0 --activations q8 \
     --streams 1 --rounds 2 --steps 20 --remove qkv,attention,combine,o,norm,gate_up,down,head,sampler \
-    --variant "split:gemv.ONE_ROW_SPLIT=True" \
-    --variant "split12:gemv.ONE_ROW_SPLIT=True; gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (1, 2)}" --variant "wide22:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 2)}" \
-    --variant "wide24:gemv.WIDE_SHAPE={**gemv.WIDE_SHAPE, 'Q8_0': (2, 4)}" --variant "rope_u4:gemv.ROPE_UNROLL=4" \
-    --variant "swiglu_u4:gemv.SWIGLU_UNROLL=4" --variant "fold_ffn:forward.FOLD_FFN_NORM=True" \
-    --variant "split+rope_u4+fold:gemv.ONE_ROW_SPLIT=True; gemv.ROPE_UNROLL=4; forward.FOLD_FFN_NORM=True" \
-    --variant "stats1:sampler.SPLIT_STATS=False" --variant "par_up:graphs.PARALLEL_UPLOADS=True" --variant "lpm:attention.LP_MERGED=True" \
+    --variant "nosplit:one_row_split=False" \
+    --variant "split12:wide_shape={'Q8_0': (1, 2)}" --variant "wide22:wide_shape={'Q8_0': (2, 2)}" \
+    --variant "rope_u4:rope_unroll=4" --variant "swiglu_u4:swiglu_unroll=4" \
+    --variant "stats1:split_stats=False" --variant "plain_loads:evict_first=False" --variant "no_pdl:pdl=False" \
     --json "$OUT/steps8b.json" 2>&1 | grep -v "uploading weights" | tee "$OUT/steps8b.txt"
 fi
 if has bench; then  # the staged real GGUF if there is one, else random weights of its shape
@@ -102,17 +100,15 @@ if has bench8b; then
       | grep -v "uploading weights" | tee -a "$OUT/bench_8b.txt"
   done
 fi
-if has checks; then  # kernel_checks real, one process a check (CHECKS="..." to choose), then the copies' fan (PARALLEL_UPLOADS)
+if has checks; then  # tests/cuda/kernel_checks.py real, one process a check (CHECKS="..." to choose)
   for C in ${CHECKS:-lookahead runner sampler attn_decode gemv_epilogue rmsnorm qkv_post gemv_q8}; do
-    timeout ${CHECK_S:-150} python3 -m ninfer.gpu.cuda.kernel_checks real $C 2>&1 | tail -c 3000 | tee -a "$OUT/checks.txt"
+    timeout ${CHECK_S:-150} python3 tests/cuda/kernel_checks.py real $C 2>&1 | tail -c 3000 | tee -a "$OUT/checks.txt"
   done
-  timeout ${CHECK_S:-150} python3 -c "from ninfer.gpu.cuda import graphs, kernel_checks as k; graphs.PARALLEL_UPLOADS = True
-raise SystemExit(k.main(['real', 'lookahead']))" 2>&1 | tail -c 3000 | sed 's/^/par_up /' | tee -a "$OUT/checks.txt"
 fi
 if has tests; then
   SEL=(-m gpu)
   [ -n "$KEXPR" ] && SEL+=(-k "$KEXPR")
   LOG="$OUT/pytest-$(echo "${KEXPR:-all}" | tr -c 'a-zA-Z0-9_\n' _).log"  # one log per selection: a second run keeps the first's
-  timeout ${TESTS_S:-300} python3 -m pytest tests/test_gpu_runner.py "${SEL[@]}" -q -p no:cacheprovider --timeout 240 -rfE \
+  timeout ${TESTS_S:-300} python3 -m pytest tests/test_gpu_runner.py tests/cuda "${SEL[@]}" -q -p no:cacheprovider --timeout 240 -rfE \
     2>&1 | tee "$LOG" | tail -60
 fi

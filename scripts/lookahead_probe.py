@@ -6,16 +6,20 @@ the fed and unfed graphs replayed alone.
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from numba import cuda
 
 from ninfer.cli.bench import _greedy
 from ninfer.gpu.cuda.runner import CudaRunner
-from ninfer.gpu.cuda.profile import _graph_time
 from ninfer.gpu.cuda.random_model import random_model, random_spec
-from ninfer.gpu.runner import StepRow
+from ninfer.core.runner import StepRow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/ is not installed
+from tools.profile import _graph_time  # noqa: E402
 
 
 def main() -> None:

@@ -13,12 +13,12 @@ from collections import defaultdict
 
 
 def short(name: str) -> str:
-    """`_ZN6cudapy5ninfer...4gemv10gemv_fused...` -> `gemv_fused` (the last Python identifier)."""
+    """`_ZN6cudapy5ninfer...10gemv_folds10gemv_fused...` -> `gemv_fused` (the last Python identifier)."""
     parts = re.findall(r"(\d+)([A-Za-z_][A-Za-z0-9_]*)", name)
     words = []
     for n, rest in parts:
         words.append(rest[: int(n)])
-    words = [w for w in words if w and w not in ("cudapy", "ninfer", "gpu", "cuda") and not w.startswith("_")]
+    words = [w for w in words if w and w not in ("cudapy", "ninfer", "gpu", "cuda", "kernels") and not w.startswith("_")]
     return words[-1] if words else name[:40]
 
 

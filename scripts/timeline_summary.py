@@ -1,7 +1,7 @@
 """Where one captured step's time goes on the GPU's own clock, from an Nsight Systems trace.
 
     nsys profile --cuda-graph-trace=node --capture-range=cudaProfilerApi -o step \
-        python3 -m ninfer.gpu.cuda.profile --random llama3-8b --random-qtype Q8_0 --activations q8 --ncu --streams 1
+        python3 -m tools.profile --random llama3-8b --random-qtype Q8_0 --activations q8 --ncu --streams 1
     nsys stats --report cuda_gpu_trace --format csv --output step step.nsys-rep
     python scripts/timeline_summary.py step_cuda_gpu_trace.csv
 

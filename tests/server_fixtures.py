@@ -11,7 +11,7 @@ Usage in a test module:
 
     @pytest.fixture(scope="module")
     def server(smollm2):
-        with running_server(ServerSettings(port=0, max_context=256, kv_capacity=1024), smollm2) as s:
+        with running_server(small_settings(max_context=256, kv_capacity=1024), smollm2) as s:
             yield s
 """
 
@@ -143,9 +143,37 @@ def metric_values(text: str) -> dict[str, float]:
     return values
 
 
+# Flags in the CLI's units, as the field of the object that declares them takes them.
+_CLI_UNITS = {
+    "max_pending_requests": lambda v: ("max_pending", v),
+    "pending_timeout_ms": lambda v: ("pending_timeout_s", v / 1000.0),
+    "host_cache_mib": lambda v: ("host_cache_bytes", int(v * (1 << 20))),
+    "prefix_reuse": lambda v: ("prefix_cache", v),
+}
+
+
 def small_settings(**overrides) -> ServerSettings:
-    """Settings for tests: any free port, the reference backend, a short context."""
+    """Settings for tests: any free port, the reference backend, a short context.
+
+    `overrides` are flat, by option (`max_context=512`, `activations="q8"`, `api_keys=(...)`,
+    `host_cache_mib=6`): each goes to the object that declares it (RuntimeOptions,
+    EngineConfig, SamplingParams or ServerSettings itself), as `ninfer serve`'s flags do.
+    """
+    import attrs
+
+    from ninfer.core.params import SamplingParams
+    from ninfer.runtime import RuntimeOptions
+    from ninfer.sched.config import EngineConfig
+
     fields = {"port": 0, "backend": "reference", "max_context": 256, "kv_capacity": 2048, "keepalive_s": 1.0,
               "shutdown_grace_s": 2.0, "log_level": "warning"}  # fmt: skip
     fields.update(overrides)
-    return ServerSettings(**fields)
+    parts: dict[type, dict] = {RuntimeOptions: {}, EngineConfig: {}, SamplingParams: {}, ServerSettings: {}}
+    for name, value in fields.items():
+        name, value = _CLI_UNITS[name](value) if name in _CLI_UNITS else (name, value)
+        owner = next(cls for cls in parts if name in attrs.fields_dict(cls))
+        parts[owner][name] = value
+    return ServerSettings(
+        runtime=RuntimeOptions(**parts[RuntimeOptions]), engine=EngineConfig(**parts[EngineConfig]),
+        sampling=SamplingParams(**parts[SamplingParams]), **parts[ServerSettings],
+    )  # fmt: skip

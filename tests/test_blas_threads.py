@@ -54,9 +54,10 @@ def test_the_reference_runtime_applies_the_limit_to_numpys_blas(smollm2_path):
         "import numpy\n"
         "from ninfer.gpu import blas\n"
         "from ninfer.runtime import RuntimeOptions, create_runner, load\n"
+        "from ninfer.sched.config import EngineConfig\n"
         "before = blas.num_blas_threads_in_use()\n"
-        "options = RuntimeOptions(backend='reference', kv_capacity=512, max_context=256)\n"
-        "runner, backend, _ = create_runner(load(sys.argv[1], progress=False), options)\n"
+        "options, config = RuntimeOptions(backend='reference'), EngineConfig(kv_capacity=512, max_context=256)\n"
+        "runner, backend, _ = create_runner(load(sys.argv[1], progress=False), options, config)\n"
         "print(json.dumps([backend, before, blas.num_blas_threads_in_use()]))\n"
     )
     threads = 3 if blas.available_cores() < 3 else 2  # never OpenBLAS's own default (one per core)

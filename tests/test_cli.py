@@ -193,11 +193,11 @@ def test_activations_help_explains_the_choice(command):
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert "--activations {f32,q8}" in text
-    assert "exact" in text and "faster decode on CUDA" in text and "reference backend" in text and "ignores it" in text
+    assert "float32 activations" in text and "1e-3" in text and "fast path" in text and "(default: q8)" in " ".join(text.split()) and "reference backend" in text and "ignores it" in text
 
 
 @pytest.mark.parametrize("command", ACTIVATION_COMMANDS)
-@pytest.mark.parametrize("flags, expected", [([], "f32"), (["--activations", "q8"], "q8"), (["--activations", "f32"], "f32")])
+@pytest.mark.parametrize("flags, expected", [([], "q8"), (["--activations", "q8"], "q8"), (["--activations", "f32"], "f32")])
 def test_activations_flag_reaches_the_runtime_options(command, flags, expected):
     from ninfer.cli.common import runtime_options
     from ninfer.cli.main import build_parser
@@ -207,8 +207,7 @@ def test_activations_flag_reaches_the_runtime_options(command, flags, expected):
     assert args.activations == expected
     if command == "serve":
         settings = settings_from_args(args)
-        assert settings.activations == expected
-        options = settings.runtime_options()
+        options = settings.runtime
     else:
         options = runtime_options(args)
     assert options.activations == expected
@@ -225,7 +224,7 @@ def test_generate_and_chat_hand_activations_to_create_runner(command, smollm2, m
 
     seen = []
 
-    def fake_create_runner(model, options):
+    def fake_create_runner(model, options, config):
         seen.append(options)
         raise ConfigError("stopped before building a runner")
 

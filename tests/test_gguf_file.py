@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
+from ninfer.models.errors import ModelLoadError
 from ninfer.models.gguf_file import load_gguf
-from ninfer.models.loaded import ModelLoadError
 from tiny_models import BYTE_TOKENS, tiny_gguf_tensors, write_tiny_gguf
 
 # --- the real file --------------------------------------------------------------------------

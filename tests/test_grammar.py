@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from ninfer.grammar import GrammarCompiler, GrammarError
-from ninfer.grammar.tool_grammar import ToolSpec
-from ninfer.protocols.tool_calls import split_tool_calls
-from ninfer.server.calls import ChatCall, chat_tool
 from ninfer.grammar.closed_schema import closed_schema
+from ninfer.grammar.tool_grammar import ToolSpec
+from ninfer.protocols.calls import ChatCall, chat_tool
+from ninfer.protocols.tool_calls import split_tool_calls
 from ninfer.server.chat_prompt import build_constraint
 
 PERSON = {

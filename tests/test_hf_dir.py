@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ninfer.models.errors import ModelLoadError
 from ninfer.models.hf_dir import load_hf_dir, read_json, spec_from_config
-from ninfer.models.loaded import ModelLoadError
 from ninfer.models.loader import load_model
 from tiny_models import build_tiny_dir, write_tokenizer
 

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from ninfer.cache.pages import PagePool, pages_for_tokens
 from ninfer.cache.prefix import PrefixCache
+from ninfer.core.params import SamplingParams
+from ninfer.core.runner import PageSnapshot, SampleSpec, StepRow
 from ninfer.gpu.reference import ReferenceRunner
-from ninfer.gpu.runner import PageSnapshot, SampleSpec, SamplingParams, StepRow
 from ninfer.sched.request import GenerationRequest
 from ninfer.sched.sequence import Sequence
 from tiny_models import tiny_llama

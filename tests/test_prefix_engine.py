@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import trio
 
+from ninfer.core.params import SamplingParams
 from ninfer.gpu.reference import ReferenceRunner
-from ninfer.gpu.runner import SamplingParams
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.fake import ByteTokenizer

@@ -1,21 +1,26 @@
 """Every CUDA kernel compiles to PTX for sm_90 (H100 / H200) and sm_120a (RTX 50xx / PRO 6000),
 and that PTX assembles to machine code (nvJitLink), without a GPU.
 
-Compilation runs in child processes (`python -m ninfer.gpu.cuda.ptx CC`), so this works in
-the same pytest run as the simulator tests, which need numba in simulator mode.
+Compilation runs in child processes (`python tests/cuda/ptx.py CC`), so this works in the
+same pytest run as the simulator tests, which need numba in simulator mode.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.ptx
 
+HERE = Path(__file__).resolve().parent
+CUDA_PKG = HERE.parent / "ninfer" / "gpu" / "cuda"
 TARGETS = {"9.0": ".target sm_90", "12.0a": ".target sm_120a"}
 QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K")
 FLOAT = ("F32", "F16", "BF16")
@@ -25,7 +30,7 @@ FLOAT = ("F32", "F16", "BF16")
 def reports() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     procs = {
-        cc: subprocess.Popen([sys.executable, "-m", "ninfer.gpu.cuda.ptx", cc], env=env, stdout=subprocess.PIPE,
+        cc: subprocess.Popen([sys.executable, str(HERE / "cuda" / "ptx.py"), cc], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
         for cc in TARGETS
     }
@@ -57,8 +62,8 @@ def test_every_kernel_compiles_and_assembles(reports, cc):
     assert all(v["sass_bytes"] > 0 for v in report.values())
     missing = expected_kernels() - set(report)
     assert not missing, f"kernels missing from the PTX report: {sorted(missing)}"
-    families = {"attn_decode", "attn_prefill", "attn_combine", "qkv_post", "page_copy", "page_gather", "page_scatter",
-                "gemv_fused", "gemv_rope", "gemv_swiglu"}
+    families = {"attn_decode", "attn_decode_lp", "attn_decode_one", "attn_prefill", "attn_combine", "flash_prefill",
+                "qkv_post", "page_copy", "page_gather", "page_scatter", "gemv_fused", "gemv_rope", "gemv_swiglu"}
     assert all(any(k.startswith(f) for k in report) for f in families)
 
 
@@ -90,6 +95,21 @@ def test_sampler_fits_its_block(reports):
     """512 threads x registers must fit the 64k-register file, or the launch fails."""
     import re
 
-    src = open(os.path.join(os.path.dirname(__file__), "..", "ninfer", "gpu", "cuda", "sampler.py")).read()
+    src = (CUDA_PKG / "kernels" / "sampler.py").read_text()
     threads = int(re.search(r"^THREADS = (\d+)", src, re.M).group(1))  # read, not imported: no numba here
     assert reports["9.0"]["sample_rows"]["registers"] * threads <= 65536
+
+
+def test_every_kernel_module_is_compiled():
+    """Every module of ninfer/gpu/cuda that builds kernels (cuda.jit) has ptx_cases() and is in
+    tests/cuda/ptx.py's list (intrinsics.py builds device functions only)."""
+    spec = importlib.util.spec_from_file_location("ptx_tool", HERE / "cuda" / "ptx.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)  # no numba at import
+    found = set()
+    for path in CUDA_PKG.rglob("*.py"):
+        src = path.read_text()
+        if path.name != "intrinsics.py" and re.search(r"cuda\.jit\(", src):
+            assert "def ptx_cases" in src, f"{path} builds kernels but has no ptx_cases()"
+            found.add(".".join(path.relative_to(CUDA_PKG).with_suffix("").parts))
+    assert found == set(tool.KERNEL_MODULES)

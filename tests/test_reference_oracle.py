@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ninfer.core.params import SamplingParams
+from ninfer.core.runner import SampleSpec, StepRow
 from ninfer.gpu.reference import ReferenceRunner
-from ninfer.gpu.runner import SampleSpec, SamplingParams, StepRow
 from ninfer.models.hf_dir import load_hf_dir
 from tiny_models import build_tiny_dir
 

@@ -6,8 +6,9 @@ import attrs
 import numpy as np
 import pytest
 
-from ninfer.gpu.reference import ReferenceRunner, kv_capacity_auto
-from ninfer.gpu.runner import Runner, SampleSpec, SamplingParams, StepRow
+from ninfer.core.params import SamplingParams
+from ninfer.core.runner import Runner, SampleSpec, StepRow
+from ninfer.gpu.reference import ReferenceRunner
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights, StoredTensor
 
@@ -199,17 +200,6 @@ def test_step_rejects_page_tables_too_short_and_positions_past_the_context():
     with pytest.raises(ValueError, match="past the context limit 128"):
         runner.step([StepRow(seq_id=0, token_ids=np.array([1], dtype=np.int32), start_pos=128,
                              page_table=np.zeros(33, dtype=np.int32))])  # fmt: skip
-
-
-def test_kv_capacity_auto_fits_the_budget():
-    spec, _ = random_model()
-    page_bytes = 16 * spec.kv_bytes_per_token(4)
-    assert kv_capacity_auto(spec, budget_bytes=10 * page_bytes + 1) == 10
-    assert kv_capacity_auto(spec, budget_bytes=10 * page_bytes, max_pages=3) == 3
-    assert kv_capacity_auto(spec, page_size=4, dtype=np.float16, budget_bytes=10 * page_bytes) == 80
-    assert kv_capacity_auto(spec) >= 1  # a share of the host's free memory
-    with pytest.raises(ValueError, match="holds no page"):
-        kv_capacity_auto(spec, budget_bytes=page_bytes - 1)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ninfer.models import registry
-from ninfer.models.loaded import ModelLoadError
+from ninfer.models.errors import ModelLoadError
 from ninfer.models.registry import DEFAULT_MODEL, KnownModel, PullError, cache_dir, ensure_model, list_cached, pull
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ninfer.gpu.runner import SampleSpec, SamplingParams
+from ninfer.core.params import SamplingParams
+from ninfer.core.runner import SampleSpec
 from ninfer.gpu.sampling import (
     NoAllowedToken,
     apply_penalties,

@@ -17,7 +17,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ninfer.gpu.runner import SamplingParams
+from ninfer.core.params import SamplingParams
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.fake import ByteTokenizer, CostModel, FakeRunner, VirtualTimeExecutor

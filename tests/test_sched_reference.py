@@ -12,8 +12,8 @@ import attrs
 import pytest
 import trio
 
+from ninfer.core.params import SamplingParams
 from ninfer.gpu.reference import ReferenceRunner
-from ninfer.gpu.runner import SamplingParams
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.request import FinishReason, GenerationRequest, Started

@@ -13,6 +13,7 @@ from ninfer.cache.prefix import PrefixCache
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.engine import open_engine
 from ninfer.sched.fake import ByteTokenizer, FakeRunner, VirtualTimeExecutor
+from ninfer.sched.prefix_hook import NoPrefixCache
 from ninfer.sched.request import (
     EngineUnhealthy,
     FinishReason,
@@ -250,7 +251,7 @@ async def test_leaving_the_engine_ends_every_stream(autojump_clock):
         await queued.collect()
 
 
-class HoardingCache:
+class HoardingCache(NoPrefixCache):
     """A stand-in prefix cache that holds inactive pages and gives them back on demand."""
 
     def __init__(self, num_pages):

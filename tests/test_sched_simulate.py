@@ -67,4 +67,4 @@ def test_cli_prints_the_report(capsys):
         main(["--rate", "-1"])
     assert exc.value.code == 2
     assert main(["--kv-capacity", "64", "--max-context", "512", "--requests", "1"]) == 2
-    assert "fewer than max_context" in capsys.readouterr().err
+    assert "--kv-capacity (64 tokens) must hold at least one full --max-context (512 tokens)" in capsys.readouterr().err

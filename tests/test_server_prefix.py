@@ -36,17 +36,17 @@ def scrape(server) -> dict[str, float]:
 
 def test_serve_flags_reach_the_engine_config():
     parser = build_parser()
-    on = settings_from_args(parser.parse_args(["serve"]))
-    assert on.engine_fields()["prefix_cache"] is True and on.engine_fields()["host_cache_bytes"] == 1024 << 20
-    off = settings_from_args(parser.parse_args(["serve", "--no-prefix-reuse", "--host-cache-mib", "0.5"]))
-    assert off.engine_fields()["prefix_cache"] is False and off.engine_fields()["host_cache_bytes"] == 1 << 19
+    on = settings_from_args(parser.parse_args(["serve"])).engine
+    assert on.prefix_cache is True and on.host_cache_bytes == 1024 << 20
+    off = settings_from_args(parser.parse_args(["serve", "--no-prefix-reuse", "--host-cache-mib", "0.5"])).engine
+    assert off.prefix_cache is False and off.host_cache_bytes == 1 << 19
     # lookahead: on unless --no-lookahead, and it reaches the engine's config
-    assert on.engine_fields()["lookahead"] is True and off.engine_fields()["lookahead"] is True
-    no_ahead = settings_from_args(parser.parse_args(["serve", "--no-lookahead"]))
-    assert no_ahead.engine_fields()["lookahead"] is False
+    assert on.lookahead is True and off.lookahead is True
+    no_ahead = settings_from_args(parser.parse_args(["serve", "--no-lookahead"])).engine
+    assert no_ahead.lookahead is False
 
 
-@pytest.mark.parametrize("flags, expected", [([], "f32"), (["--activations", "q8"], "q8")])
+@pytest.mark.parametrize("flags, expected", [([], "q8"), (["--activations", "f32"], "f32")])
 def test_serve_activations_flag_reaches_create_runner(monkeypatch, flags, expected):
     import functools
 
@@ -57,10 +57,10 @@ def test_serve_activations_flag_reaches_create_runner(monkeypatch, flags, expect
     from ninfer.server.serve import serve
 
     settings = settings_from_args(build_parser().parse_args(["serve", "--backend", "reference", *flags]))
-    assert settings.activations == expected
+    assert settings.runtime.activations == expected
     seen = []
 
-    def fake_create_runner(model, options):
+    def fake_create_runner(model, options, config):
         seen.append((model, options))
         raise ConfigError("stopped before building a runner")
 
@@ -82,8 +82,15 @@ def test_cli_rejects_negative_or_infinite_sizes(capsys, flags):
         build_parser().parse_args(["serve", *flags])
     assert exit_info.value.code == 2
     assert flags[0] in capsys.readouterr().err
-    with pytest.raises(SettingsError, match=flags[0]):
-        small_settings(**{flags[0][2:].replace("-", "_"): float(flags[1])})
+
+
+def test_settings_reject_bad_sizes_where_they_are_declared():
+    from ninfer.sched.config import EngineConfig
+
+    with pytest.raises(SettingsError, match="--max-request-mib"):
+        small_settings(max_request_mib=float("nan"))
+    with pytest.raises(SettingsError, match="host_cache_bytes"):  # EngineConfig declares the host tier
+        EngineConfig(host_cache_bytes=-3 << 20)
 
 
 def test_no_prefix_reuse_serves_every_prompt_cold(smollm2):

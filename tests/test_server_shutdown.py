@@ -25,9 +25,12 @@ SERVER_SCRIPT = f"""
 import logging, sys, trio
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from ninfer.server.serve import serve
+from ninfer.runtime import RuntimeOptions
+from ninfer.sched.config import EngineConfig
 from ninfer.server.settings import ServerSettings
-trio.run(serve, ServerSettings(model=sys.argv[1], port=0, backend="reference", max_context=512, kv_capacity=2048,
-                               max_concurrency=3, shutdown_grace_s={GRACE_S}, log_level="info"))
+trio.run(serve, ServerSettings(model=sys.argv[1], port=0, runtime=RuntimeOptions(backend="reference"),
+                               engine=EngineConfig(max_context=512, kv_capacity=2048, max_concurrency=3),
+                               shutdown_grace_s={GRACE_S}, log_level="info"))
 """
 HI = [{"role": "user", "content": "Hi"}]
 # A JSON string of at least 400 characters: far more than the grace period lets it generate.

@@ -12,7 +12,7 @@ import pytest
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
-from ninfer.models.loaded import ModelLoadError
+from ninfer.models.errors import ModelLoadError
 from ninfer.models.tokenizer import Tokenizer
 
 CORPUS = [

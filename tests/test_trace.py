@@ -1,8 +1,14 @@
-"""The CUPTI timeline's arithmetic (ninfer/gpu/cuda/trace.py): each kernel is charged the end of
-its node minus the end of the node before it, so overlapped starts (programmatic launch) are
-not counted twice and the increments add up to the step's span from the first kernel's end."""
+"""The CUPTI timeline's arithmetic (tools/trace.py): each kernel is charged the end of its node
+minus the end of the node before it, so overlapped starts (programmatic launch) are not
+counted twice and the increments add up to the step's span from the first kernel's end."""
 
-from ninfer.gpu.cuda.trace import Kernel, summarize
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("tools_trace", Path(__file__).resolve().parents[1] / "tools" / "trace.py")
+trace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace)  # tools/ is not an installed package
+Kernel, summarize = trace.Kernel, trace.summarize
 
 
 def _step(t0):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from ninfer.gpu.runner import PageSnapshot, Runner
+from ninfer.core.runner import PageSnapshot, Runner
 
 
 class HostTier:

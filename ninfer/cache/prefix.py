@@ -31,7 +31,7 @@ from ninfer.cache.pages import PagePool
 from ninfer.cache.prefix_index import DEFAULT_KEY_BYTES, CacheEntry, PrefixIndex, Tier
 from ninfer.cache.prefix_index import salt_bytes, token_bytes
 from ninfer.cache.tiers import Tiers
-from ninfer.gpu.runner import PageSnapshot, Runner
+from ninfer.core.runner import PageSnapshot, Runner
 
 
 @attrs.frozen(kw_only=True)

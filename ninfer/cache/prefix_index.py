@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 import numpy as np
 
-from ninfer.gpu.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot
 
 DEFAULT_KEY_BYTES = 16  # 128-bit keys: collisions are astronomically rare (and verified anyway)
 

@@ -17,7 +17,7 @@ from collections import Counter
 from ninfer.cache.host_tier import CacheIO, HostTier
 from ninfer.cache.pages import PagePool
 from ninfer.cache.prefix_index import CacheEntry, PrefixIndex, Tier
-from ninfer.gpu.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot
 
 
 class Tiers:

@@ -17,8 +17,9 @@ kernels and capture the CUDA graphs:
   at hand (1 GiB copies), and the fraction of it achieved. The reference backend prints no
   floor: a GPU's copy bandwidth says nothing about the host.
 
-Anchors (llama.cpp on one H200 with SmolLM2-135M-Instruct Q4_1, DEVICE.md) are printed as
-ratios when `--anchors llamacpp-h200` is given.
+Anchors are printed as ratios when `--anchors llamacpp-h200` is given: llama.cpp on one H200
+with the SmolLM2-135M-Instruct Q4_1 GGUF measured 959 / 2,707 / 4,810 / 11,673 tok/s decode at
+1 / 4 / 16 / 64 streams and ~51,000 tok/s prefill at 512 tokens (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def _runner(model, args):
 
 
 def _greedy(index):
-    from ninfer.gpu.runner import SampleSpec, SamplingParams
+    from ninfer.core.params import SamplingParams
+    from ninfer.core.runner import SampleSpec
 
     return SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=index)
 
@@ -153,7 +155,7 @@ def bench_decode(runner, streams: int, prompt_len: int, tokens: int, repeats: in
     """Median over repeats of the time `streams` rows take to decode `tokens` tokens each.
     lookahead: each step is submitted fed by the one before (its tokens stay on the device)
     before that one's tokens are collected, as the engine's step task does."""
-    from ninfer.gpu.runner import StepRow
+    from ninfer.core.runner import StepRow
 
     vocab = runner.spec.vocab_size
     per_seq = -(-(prompt_len + tokens + 2) // runner.page_size)
@@ -188,7 +190,7 @@ def bench_decode(runner, streams: int, prompt_len: int, tokens: int, repeats: in
 
 
 def bench_prefill(runner, length: int, repeats: int, rng) -> dict:
-    from ninfer.gpu.runner import StepRow
+    from ninfer.core.runner import StepRow
 
     per_seq = -(-(length + 1) // runner.page_size)
     table = np.arange(per_seq, dtype=np.int32)

@@ -13,7 +13,9 @@ import sys
 
 import trio
 
-from ninfer.cli.common import add_model_arguments, add_sampling_arguments, runtime_options, sampling_params
+from ninfer.cli.common import (
+    add_model_arguments, add_sampling_arguments, engine_config, runtime_options, sampling_params,
+)  # fmt: skip
 
 HELP = "commands: /reset clears the conversation, /system TEXT sets the system message, /exit leaves"
 
@@ -136,12 +138,13 @@ async def chat(args: argparse.Namespace) -> int:
     from ninfer.cli.common import CliError
     from ninfer.runtime import load, open_runtime
 
+    options, config = runtime_options(args), engine_config(args, max_concurrency=1)
     model = load(args.model, progress=True)
     if model.chat_template is None:
         raise CliError(f"model {model.name} has no chat template; use `ninfer generate --raw`")
     conversation = Conversation(args.system)
     reader = LineReader()
-    async with open_runtime(model, runtime_options(args), max_concurrency=1) as (engine, _, backend):
+    async with open_runtime(model, options, config) as (engine, _, backend):
         print(f"{model.name} on {backend}. {HELP}; Ctrl-C stops an answer.", file=sys.stderr)
         while True:
             line = await trio.to_thread.run_sync(reader.read, abandon_on_cancel=True)

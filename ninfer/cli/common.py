@@ -8,7 +8,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ninfer.runtime import ACTIVATIONS, BACKENDS, RuntimeOptions, parse_kv_capacity
+import attrs
+
+from ninfer.runtime import ACTIVATIONS, BACKENDS, DEFAULT_CONTEXT_CAP, RuntimeOptions, parse_kv_capacity
+from ninfer.sched.config import MIN_CONTEXT, EngineConfig
 
 
 class CliError(Exception):
@@ -44,6 +47,7 @@ def _typed(convert: Callable, check: Callable[[object], bool], what: str):
 
 
 positive_int = _typed(int, lambda v: v > 0, "a positive integer")
+context_tokens = _typed(int, lambda v: v >= MIN_CONTEXT, f"an integer >= {MIN_CONTEXT}")
 non_negative_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
 unit_float = _typed(float, lambda v: 0.0 <= v <= 1.0, "a number between 0 and 1")
 temperature_float = _typed(float, lambda v: 0.0 <= v <= 100.0, "a temperature between 0 and 100")
@@ -58,6 +62,12 @@ def _kv(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def default_of(cls, name: str):
+    """The default of field `name` of attrs class `cls`: flags take their defaults from the
+    class that declares the option, so each default is written once."""
+    return attrs.fields_dict(cls)[name].default
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = False) -> None:
     """MODEL and the runtime group; `activations` adds --activations (commands whose options
     reach `RuntimeOptions.activations` through `runtime_options`)."""
@@ -66,29 +76,36 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = 
         help="a .gguf file, a Hugging Face style directory (config.json + *.safetensors), or a "
         "known model name (default: smollm2-135m-instruct, pulled on first use)",
     )  # fmt: skip
+    backend, page_size = default_of(RuntimeOptions, "backend"), default_of(EngineConfig, "page_size")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--backend", choices=BACKENDS, default="auto",
-                       help="compute backend; auto picks CUDA when a GPU is present (default: auto)")
+    group.add_argument("--backend", choices=BACKENDS, default=backend,
+                       help=f"compute backend; auto picks CUDA when a GPU is present (default: {backend})")
     group.add_argument("--kv-capacity", type=_kv, default="auto", metavar="TOKENS",
                        help="KV cache size in tokens, or 'auto' to fit free memory (default: auto)")
-    group.add_argument("--max-context", type=positive_int, default=None, metavar="TOKENS",
-                       help="longest prompt + answer in tokens (default: the model's, at most 8192)")
-    group.add_argument("--page-size", type=positive_int, default=16, metavar="TOKENS",
-                       help="tokens per KV page (default: 16)")
+    group.add_argument("--max-context", type=context_tokens, default=None, metavar="TOKENS",
+                       help=f"longest prompt + answer in tokens (default: the model's, at most {DEFAULT_CONTEXT_CAP})")
+    group.add_argument("--page-size", type=positive_int, default=page_size, metavar="TOKENS",
+                       help=f"tokens per KV page (default: {page_size})")
     if activations:
-        group.add_argument("--activations", choices=ACTIVATIONS, default="f32",
-                           help="CUDA decode activations: f32 (exact: logits match the CPU reference "
-                           "backend's within 3e-3) or q8 (int8 blocks and dp4a, llama.cpp's scheme: faster "
-                           "decode on CUDA, logits a few percent off); the reference backend (also what "
-                           "--backend auto picks without a GPU) ignores it (default: f32)")
+        default = default_of(RuntimeOptions, "activations")
+        group.add_argument("--activations", choices=ACTIVATIONS, default=default,
+                           help="CUDA decode activations: q8 (int8 blocks and dp4a, llama.cpp's scheme: the "
+                           "fast path, perplexity within 1%% of f32) or f32 (float32 activations: logits within "
+                           "about 1e-3 of the CPU reference backend's); the reference backend (also what "
+                           f"--backend auto picks without a GPU) ignores it (default: {default})")
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+    """The runtime group's backend and activations (--activations only where the command has it)."""
     return RuntimeOptions(
-        backend=args.backend, kv_capacity=args.kv_capacity,
-        page_size=args.page_size, max_context=args.max_context,
-        activations=getattr(args, "activations", "f32"),
-    )  # fmt: skip
+        backend=args.backend, activations=getattr(args, "activations", default_of(RuntimeOptions, "activations"))
+    )
+
+
+def engine_config(args: argparse.Namespace, **fields) -> EngineConfig:
+    """The runtime group's page size, context and KV capacity, plus the command's own engine
+    `fields` (raises ConfigError, e.g. for a --kv-capacity below --max-context)."""
+    return EngineConfig(page_size=args.page_size, max_context=args.max_context, kv_capacity=args.kv_capacity, **fields)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -110,7 +127,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
 
 
 def sampling_params(args: argparse.Namespace):
-    from ninfer.gpu.runner import SamplingParams
+    from ninfer.core.params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -151,7 +168,7 @@ def run_reporting_errors(command: str, run, args) -> int:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix: printed as one line, never a traceback."""
-    from ninfer.models.loaded import ModelLoadError
+    from ninfer.models.errors import ModelLoadError
     from ninfer.runtime import ConfigError
     from ninfer.sched.request import EngineError
 

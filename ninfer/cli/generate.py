@@ -9,7 +9,7 @@ import sys
 import trio
 
 from ninfer.cli.common import (
-    CliError, add_model_arguments, add_sampling_arguments, read_messages, runtime_options,
+    CliError, add_model_arguments, add_sampling_arguments, engine_config, read_messages, runtime_options,
     sampling_params,
 )  # fmt: skip
 
@@ -73,12 +73,13 @@ async def generate(args: argparse.Namespace) -> int:
     from ninfer.sched.request import FinishReason, Finished, TokenDelta
 
     messages = input_messages(args)
+    options, config = runtime_options(args), engine_config(args, max_concurrency=1)
     model = load(args.model, progress=not args.json)
     request = build_request(model, args, messages)
     text_parts: list[str] = []
     token_ids: list[int] = []
     finished = None
-    async with open_runtime(model, runtime_options(args), max_concurrency=1) as (engine, _, backend):
+    async with open_runtime(model, options, config) as (engine, _, backend):
         async with engine.submit(request) as stream:
             async for event in stream:
                 if isinstance(event, TokenDelta):

@@ -21,6 +21,7 @@ examples:
   ninfer generate -p "What is the capital of France?" --temperature 0
   ninfer chat
   ninfer pull && ninfer models
+  ninfer bench serve --url http://127.0.0.1:8080   # load a running server
 run `ninfer COMMAND --help` for each command's options."""
 
 # Sub-commands by module; each module has add_parser(subparsers) (or add_parsers).
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ninfer.cli.common import run_reporting_errors
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "serve"]:  # the serving benchmark: a client of a running server
+        from ninfer.cli import bench_serve
+
+        return bench_serve.main(argv[2:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(), format="%(levelname)s %(name)s: %(message)s")
     return run_reporting_errors(args.command, args.run, args)

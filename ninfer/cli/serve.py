@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 
 from ninfer.cli.common import (
-    add_model_arguments, non_negative_int, penalty_float, positive_int, repetition_float, temperature_float,
-    unit_float,
+    add_model_arguments, default_of, engine_config, non_negative_int, penalty_float, positive_int, repetition_float,
+    runtime_options, sampling_params, temperature_float, unit_float,
 )  # fmt: skip
+from ninfer.core.params import SamplingParams
+from ninfer.sched.config import EngineConfig
+from ninfer.server.settings import LOG_LEVELS, MIB, ServerSettings
 
 DESCRIPTION = """\
 Serve a model over HTTP: OpenAI Chat Completions, Completions and Responses, Anthropic
@@ -52,82 +56,92 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    d = functools.partial(default_of, ServerSettings)
     group = parser.add_argument_group("http")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    group.add_argument("--port", type=non_negative_int, default=8080, help="port to bind; 0 = any free port (default: 8080)")
+    group.add_argument("--host", default=d("host"), help=f"address to bind (default: {d('host')})")
+    group.add_argument("--port", type=non_negative_int, default=d("port"),
+                       help=f"port to bind; 0 = any free port (default: {d('port')})")
     group.add_argument("--model-id", default=None, help="public model name in the APIs (default: the model's own name)")
     group.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="require this key (Bearer or x-api-key); repeatable; also $NINFER_API_KEY")
     group.add_argument("--api-key-file", metavar="FILE", help="file with one accepted key per line")
-    group.add_argument("--max-request-mib", type=_positive_float, default=8.0, metavar="MIB",
-                       help="largest request body; bigger ones get 413 before parsing (default: 8)")
+    group.add_argument("--max-request-mib", type=_positive_float, default=d("max_request_mib"), metavar="MIB",
+                       help=f"largest request body; bigger ones get 413 before parsing (default: {d('max_request_mib'):g})")
     group.add_argument("--cors", action="append", default=[], nargs="?", const="*", metavar="ORIGIN",
                        help="allow browser requests from ORIGIN (repeatable; bare --cors allows any origin)")
-    group.add_argument("--sse-keepalive-s", type=_positive_float, default=10.0, metavar="S",
-                       help="SSE comment interval while a stream waits or prefills (default: 10)")
-    group.add_argument("--shutdown-grace-s", type=_non_negative_float, default=10.0, metavar="S",
-                       help="time in-flight requests get after SIGINT / SIGTERM (default: 10)")
-    group.add_argument("--send-timeout-s", type=_positive_float, default=30.0, metavar="S",
-                       help="drop a client that takes none of its answer for this long (default: 30)")
-    group.add_argument("--body-timeout-s", type=_positive_float, default=60.0, metavar="S",
-                       help="longest wait for a request body; then 408 (default: 60)")
-    group.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                       help="log verbosity; debug also logs every request (default: info)")
+    group.add_argument("--sse-keepalive-s", type=_positive_float, default=d("keepalive_s"), metavar="S",
+                       help=f"SSE comment interval while a stream waits or prefills (default: {d('keepalive_s'):g})")
+    group.add_argument("--shutdown-grace-s", type=_non_negative_float, default=d("shutdown_grace_s"), metavar="S",
+                       help=f"time in-flight requests get after SIGINT / SIGTERM (default: {d('shutdown_grace_s'):g})")
+    group.add_argument("--send-timeout-s", type=_positive_float, default=d("send_timeout_s"), metavar="S",
+                       help=f"drop a client that takes none of its answer for this long (default: {d('send_timeout_s'):g})")
+    group.add_argument("--body-timeout-s", type=_positive_float, default=d("body_timeout_s"), metavar="S",
+                       help=f"longest wait for a request body; then 408 (default: {d('body_timeout_s'):g})")
+    group.add_argument("--log-level", choices=LOG_LEVELS, default=d("log_level"),
+                       help=f"log verbosity; debug also logs every request (default: {d('log_level')})")
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    d = functools.partial(default_of, EngineConfig)
+    timeout_ms = round(d("pending_timeout_s") * 1000)
+    host_cache_mib = d("host_cache_bytes") / MIB
     group = parser.add_argument_group("engine")
-    group.add_argument("--max-concurrency", type=positive_int, default=8, metavar="N",
-                       help="requests generating at once (execution lanes) (default: 8)")
-    group.add_argument("--max-pending-requests", type=positive_int, default=64, metavar="N",
-                       help="queued requests beyond the lanes; more get 429 (default: 64)")
-    group.add_argument("--pending-timeout-ms", type=positive_int, default=60_000, metavar="MS",
-                       help="longest wait in the queue; then 503 (default: 60000)")
-    group.add_argument("--prefill-chunk", type=positive_int, default=512, metavar="TOKENS",
-                       help="prompt tokens per engine step, so long prompts never stall streams (default: 512)")
+    group.add_argument("--max-concurrency", type=positive_int, default=d("max_concurrency"), metavar="N",
+                       help=f"requests generating at once (execution lanes) (default: {d('max_concurrency')})")
+    group.add_argument("--max-pending-requests", type=positive_int, default=d("max_pending"), metavar="N",
+                       help=f"queued requests beyond the lanes; more get 429 (default: {d('max_pending')})")
+    group.add_argument("--pending-timeout-ms", type=positive_int, default=timeout_ms, metavar="MS",
+                       help=f"longest wait in the queue; then 503 (default: {timeout_ms})")
+    group.add_argument("--prefill-chunk", type=positive_int, default=d("prefill_chunk"), metavar="TOKENS",
+                       help="prompt tokens per engine step, so long prompts never stall streams "
+                            f"(default: {d('prefill_chunk')})")
     group.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                        help="never reuse the KV of earlier requests' shared prompt prefixes (default: reuse)")
     group.add_argument("--no-lookahead", dest="lookahead", action="store_false",
                        help="read each decode step's tokens before submitting the next (default: on a GPU, "
                             "step N + 1 is queued, fed on the device, before step N's tokens are read)")
-    group.add_argument("--host-cache-mib", type=_non_negative_float, default=1024.0, metavar="MIB",
+    group.add_argument("--host-cache-mib", type=_non_negative_float, default=host_cache_mib, metavar="MIB",
                        help="host memory for prefix-cache pages demoted off the device under pressure; "
-                            "0 = drop them instead (default: 1024)")
+                            f"0 = drop them instead (default: {host_cache_mib:g})")
 
 
 def _add_default_arguments(parser: argparse.ArgumentParser) -> None:
+    d = functools.partial(default_of, SamplingParams)
     group = parser.add_argument_group("defaults for requests that omit a field")
     group.add_argument("--default-max-tokens", type=positive_int, default=None, metavar="N",
                        help="answer length limit (default: whatever the context leaves)")
-    group.add_argument("--temperature", type=temperature_float, default=1.0, help="(default: 1)")
-    group.add_argument("--top-p", type=unit_float, default=1.0, help="(default: 1)")
-    group.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off (default: 0)")
-    group.add_argument("--min-p", type=unit_float, default=0.0, help="(default: 0)")
-    group.add_argument("--repetition-penalty", type=repetition_float, default=1.0, help="1 = off (default: 1)")
-    group.add_argument("--presence-penalty", type=penalty_float, default=0.0, help="(default: 0)")
-    group.add_argument("--frequency-penalty", type=penalty_float, default=0.0, help="(default: 0)")
+    group.add_argument("--temperature", type=temperature_float, default=d("temperature"),
+                       help=f"(default: {d('temperature'):g})")
+    group.add_argument("--top-p", type=unit_float, default=d("top_p"), help=f"(default: {d('top_p'):g})")
+    group.add_argument("--top-k", type=non_negative_int, default=d("top_k"), help=f"0 = off (default: {d('top_k')})")
+    group.add_argument("--min-p", type=unit_float, default=d("min_p"), help=f"(default: {d('min_p'):g})")
+    group.add_argument("--repetition-penalty", type=repetition_float, default=d("repetition_penalty"),
+                       help=f"1 = off (default: {d('repetition_penalty'):g})")
+    group.add_argument("--presence-penalty", type=penalty_float, default=d("presence_penalty"),
+                       help=f"(default: {d('presence_penalty'):g})")
+    group.add_argument("--frequency-penalty", type=penalty_float, default=d("frequency_penalty"),
+                       help=f"(default: {d('frequency_penalty'):g})")
 
 
-def settings_from_args(args: argparse.Namespace):
-    """ServerSettings for the parsed arguments (raises SettingsError with one clear line)."""
-    from ninfer.server.settings import ServerSettings, read_api_key_file
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """ServerSettings for the parsed arguments, each option handed to the object that declares
+    and validates it (raises SettingsError with one clear line)."""
+    from ninfer.server.settings import read_api_key_file
 
     keys = list(args.api_key)
     if os.environ.get("NINFER_API_KEY"):
         keys.append(os.environ["NINFER_API_KEY"])
     if args.api_key_file:
         keys.extend(read_api_key_file(args.api_key_file))
+    engine = engine_config(
+        args, max_concurrency=args.max_concurrency, max_pending=args.max_pending_requests,
+        pending_timeout_s=args.pending_timeout_ms / 1000.0, prefill_chunk=args.prefill_chunk,
+        prefix_cache=args.prefix_reuse, host_cache_bytes=int(args.host_cache_mib * MIB), lookahead=args.lookahead,
+    )  # fmt: skip
     return ServerSettings(
-        model=args.model, host=args.host, port=args.port, model_id=args.model_id, backend=args.backend,
-        max_context=args.max_context, kv_capacity=args.kv_capacity, page_size=args.page_size,
-        activations=args.activations,
-        max_concurrency=args.max_concurrency, max_pending_requests=args.max_pending_requests,
-        pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk,
-        prefix_reuse=args.prefix_reuse, lookahead=args.lookahead, host_cache_mib=args.host_cache_mib,
-        api_keys=tuple(dict.fromkeys(keys)),
-        default_max_tokens=args.default_max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, max_request_mib=args.max_request_mib, log_level=args.log_level,
+        model=args.model, runtime=runtime_options(args), engine=engine, sampling=sampling_params(args),
+        default_max_tokens=args.default_max_tokens, host=args.host, port=args.port, model_id=args.model_id,
+        api_keys=tuple(dict.fromkeys(keys)), max_request_mib=args.max_request_mib, log_level=args.log_level,
         cors_origins=tuple(args.cors), keepalive_s=args.sse_keepalive_s, shutdown_grace_s=args.shutdown_grace_s,
         send_timeout_s=args.send_timeout_s, body_timeout_s=args.body_timeout_s,
     )  # fmt: skip

@@ -25,14 +25,13 @@ page `page_table[p // page_size]`, slot `p % page_size`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
+from ninfer.core.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
 from ninfer.gpu import sampling
-from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights
 
@@ -72,7 +71,7 @@ class ReferenceRunner(SyncSubmit):
     """`Runner` on numpy: float32 weights, a preallocated paged KV pool, the reference sampler."""
 
     def __init__(self, model, *, num_pages: int, page_size: int = 16, dtype=np.float32):
-        spec, weights = _spec_and_weights(model)
+        spec, weights = spec_and_weights(model)
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
         self.spec: ModelSpec = spec
@@ -340,38 +339,9 @@ def silu(x: np.ndarray) -> np.ndarray:
         return x / (1.0 + np.exp(-x))
 
 
-def kv_capacity_auto(
-    spec: ModelSpec,
-    *,
-    page_size: int = 16,
-    dtype=np.float32,
-    budget_bytes: int | None = None,
-    memory_fraction: float = 0.25,
-    max_pages: int | None = None,
-) -> int:
-    """KV pages that fit a host-memory budget.
-
-    The budget is `budget_bytes`, or `memory_fraction` of the host memory available now. The
-    result is capped at `max_pages` and at what one full-context sequence per 64 lanes could use.
-    """
-    if budget_bytes is None:
-        budget_bytes = int(memory_fraction * _available_host_bytes())
-    page_bytes = page_size * spec.kv_bytes_per_token(np.dtype(dtype).itemsize)
-    num_pages = budget_bytes // page_bytes
-    if num_pages < 1:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page of {page_bytes} bytes")
-    cap = 64 * -(-spec.max_context // page_size)
-    return int(min(num_pages, cap, max_pages or cap))
-
-
-def _available_host_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30  # platforms without sysconf: assume a modest 4 GiB
-
-
-def _spec_and_weights(model) -> tuple[ModelSpec, ModelWeights]:
+def spec_and_weights(model) -> tuple[ModelSpec, ModelWeights]:
+    """(spec, stored weights) of a loaded model, or of a (spec, weights) pair such as
+    random_model's: what both backends' runners take."""
     if isinstance(model, tuple):
         spec, weights = model
         return spec, weights

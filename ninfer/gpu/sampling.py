@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ninfer.gpu.runner import SampledToken, SampleSpec
+from ninfer.core.runner import SampledToken, SampleSpec
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15

@@ -2,8 +2,8 @@
 
 The file is memory-mapped by `gguf.GGUFReader`; tensors stay in their stored (often quantized)
 form and are never dequantized here. Only llama-arch Q/K matrices are copied, to undo the row
-permutation llama.cpp's converter applies for its interleaved RoPE (MODELS.md pitfall 1):
-canonical weights use the split-half rotation.
+permutation llama.cpp's converter applies for its interleaved RoPE (left in place, the split-half
+rotation would pair the wrong dimensions): canonical weights use the split-half rotation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ninfer.models.chat_template import ChatTemplate, ChatTemplateError
-from ninfer.models.loaded import LoadedModel, ModelLoadError
+from ninfer.models.errors import ModelLoadError
+from ninfer.models.loaded import LoadedModel
 from ninfer.models.spec import SUPPORTED_ARCHS, ModelSpec
 from ninfer.models.tokenizer import Tokenizer
 from ninfer.models.weights import STORED_TYPES, ModelWeights, StoredTensor

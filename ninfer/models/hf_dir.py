@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ninfer.models.loaded import LoadedModel, ModelLoadError
+from ninfer.models.errors import ModelLoadError
+from ninfer.models.loaded import LoadedModel
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights, StoredTensor
 

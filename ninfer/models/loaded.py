@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 
+from ninfer.models.chat_template import ChatTemplate
 from ninfer.models.spec import ModelSpec
+from ninfer.models.tokenizer import Tokenizer
 from ninfer.models.weights import ModelWeights
-
-if TYPE_CHECKING:
-    from ninfer.models.chat_template import ChatTemplate
-    from ninfer.models.tokenizer import Tokenizer
-
-
-class ModelLoadError(Exception):
-    """The model file or directory is missing, truncated, or of a kind ninfer cannot run.
-
-    The message is one sentence that names the file and the problem; the CLI prints it as is.
-    """
 
 
 @attrs.frozen(eq=False)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ninfer.models.loaded import LoadedModel, ModelLoadError
+from ninfer.models.errors import ModelLoadError
+from ninfer.models.loaded import LoadedModel
 
 
 def load_model(path: str | Path, *, progress: bool = False) -> LoadedModel:

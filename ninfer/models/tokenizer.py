@@ -19,7 +19,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from ninfer.models.loaded import ModelLoadError
+from ninfer.models.errors import ModelLoadError
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_TYPE_CONTROL = 3
@@ -58,7 +58,8 @@ _PRE_TOKENIZERS = {
 SUPPORTED_GGUF_PRE = tuple(_PRE_TOKENIZERS)
 
 # End-of-turn / end-of-text tokens used across model families; each counts as a stop id when the
-# vocabulary declares it as a special token (MODELS.md pitfall 5: stop on all of them, not only eos).
+# vocabulary declares it as a special token: stop on all of them, not only eos (chat models end a
+# turn with an end-of-turn token that is often not the declared eos, and would run on past it).
 _STOP_TOKEN_TEXTS = (
     "<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|end_of_text|>",
     "<end_of_turn>", "<|return|>", "<|end▁of▁sentence|>", "</s>", "<EOT>",

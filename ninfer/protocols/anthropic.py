@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ninfer.protocols.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
 from ninfer.protocols.strict import (
     JsonObject,
     WireFormatError,
@@ -27,7 +28,6 @@ from ninfer.protocols.strict import (
     stop_sequences,
 )
 from ninfer.protocols.strict import structure as _structure
-from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
 
 MAX_STOP_SEQUENCES = 16  # per request, as documented in docs/serving.md
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ninfer.gpu.runner import MAX_TOP_LOGPROBS
+from ninfer.core.params import MAX_TOP_LOGPROBS
 from ninfer.protocols.strict import (
     JsonObject, WireFormatError, between, make_converter, register_tagged_union, structure,
 )  # fmt: skip
@@ -230,6 +230,7 @@ class ChatCompletionRequest(SamplerFields):
     modalities: list[str] | None = None
     cache_salt: str | None = None
     cache_read_only: bool | None = None  # ninfer extension: read the prefix cache, publish nothing
+    ignore_eos: bool | None = None  # vLLM / llama.cpp extension: generate up to max_tokens regardless of EOS
 
 
 @attrs.frozen(kw_only=True, field_transformer=_sampler_fields_after("max_tokens"))
@@ -246,6 +247,7 @@ class CompletionRequest(SamplerFields):
     logit_bias: JsonObject | None = None
     cache_salt: str | None = None
     cache_read_only: bool | None = None  # ninfer extension: read the prefix cache, publish nothing
+    ignore_eos: bool | None = None  # vLLM / llama.cpp extension: generate up to max_tokens regardless of EOS
 
 
 @attrs.frozen(kw_only=True)

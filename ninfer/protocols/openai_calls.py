@@ -12,13 +12,13 @@ from typing import Any
 
 import attrs
 
+from ninfer.protocols.calls import (
+    ChatCall, CompletionCall, InvalidRequest, ResponseFormat, SamplingOptions, chat_tool_call,
+)  # fmt: skip
 from ninfer.protocols.openai import (
     MAX_STOP_SEQUENCES, AssistantMessage, ChatCompletionRequest, CompletionRequest, Content, JsonObjectFormat,
     Message, NamedToolChoice, RefusalPart, ResponseFormatIn, SamplerFields, SystemMessage, TextFormat, TextPart,
     TokenizeRequest, UserMessage,
-)  # fmt: skip
-from ninfer.server.calls import (
-    ChatCall, CompletionCall, InvalidRequest, ResponseFormat, SamplingOptions, chat_tool_call,
 )  # fmt: skip
 
 
@@ -139,6 +139,7 @@ def chat_call(req: ChatCompletionRequest, request_id: str) -> ChatCall:
         sampling=_sampling(req), stop=_stop_tuple(req.stop), seed=req.seed,
         logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0,
         cache_salt=req.cache_salt, cache_read_only=bool(req.cache_read_only), request_id=request_id,
+        ignore_eos=bool(req.ignore_eos),
     )  # fmt: skip
 
 
@@ -157,6 +158,7 @@ def completion_call(req: CompletionRequest, request_id: str) -> CompletionCall:
         max_tokens=req.max_tokens, sampling=_sampling(req), stop=_stop_tuple(req.stop),
         seed=req.seed, logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
         cache_salt=req.cache_salt, cache_read_only=bool(req.cache_read_only), request_id=request_id,
+        ignore_eos=bool(req.ignore_eos),
     )  # fmt: skip
 
 

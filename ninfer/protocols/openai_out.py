@@ -12,8 +12,8 @@ from typing import Any
 import attrs
 import cattrs
 
-from ninfer.sched.request import Usage
-from ninfer.server.calls import CallResult, LogprobEntry, TextDelta, ToolCallDelta
+from ninfer.core.usage import Usage
+from ninfer.protocols.calls import CallResult, LogprobEntry, TextDelta, ToolCallDelta
 
 _OUT = cattrs.Converter(omit_if_default=True)
 

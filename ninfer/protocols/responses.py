@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ninfer.protocols.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
 from ninfer.protocols.responses_events import FunctionCallOutput, MessageOutput, OutputItem
 from ninfer.protocols.strict import (
     JsonObject,
@@ -27,7 +28,6 @@ from ninfer.protocols.strict import (
     register_tagged_union,
 )
 from ninfer.protocols.strict import structure as _structure
-from ninfer.server.calls import ChatCall, ResponseFormat, SamplingOptions, chat_tool, chat_tool_call
 
 # --- input items -----------------------------------------------------------------------------
 

@@ -1,10 +1,21 @@
-"""Engine configuration: frozen, validated, every limit named with its unit."""
+"""Engine configuration: frozen, validated, every limit named with its unit.
+
+`EngineConfig` is the one declaration of the engine's limits: `ninfer serve`, `generate` and
+`chat` build it straight from their flags (`ninfer.cli.common.engine_config`), the runtime
+fills in the context limit it resolved for the model, and the engine takes it as is.
+"""
 
 from __future__ import annotations
 
 import attrs
 
 GIB = 1 << 30
+MIN_CONTEXT = 2  # a sequence needs a prompt token and room for one generated token
+
+
+class ConfigError(ValueError):
+    """A bad option or combination of options (one readable sentence; the CLI prints it as
+    one line)."""
 
 
 def _at_least(minimum: int | float, what: str):
@@ -12,7 +23,7 @@ def _at_least(minimum: int | float, what: str):
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{attribute.name} ({what}) must be a number, got {value!r}.")
         if value < minimum:
-            raise ValueError(f"{attribute.name} ({what}) must be at least {minimum}, got {value}.")
+            raise ConfigError(f"{attribute.name} ({what}) must be at least {minimum}, got {value}.")
 
     return check
 
@@ -30,7 +41,7 @@ def _optional_at_least(minimum: int, what: str):
 def _positive_float(what: str):
     def check(instance, attribute, value):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ValueError(f"{attribute.name} ({what}) must be a positive number, got {value!r}.")
+            raise ConfigError(f"{attribute.name} ({what}) must be a positive number, got {value!r}.")
 
     return check
 
@@ -39,10 +50,11 @@ def _positive_float(what: str):
 class EngineConfig:
     """Limits of one engine.
 
-    KV capacity is whatever the runner was built with (`runner.num_pages`); `kv_capacity` only
-    records the tokens the CLI asked for (None = auto, fit free memory) and, when set, the
-    engine checks that the runner holds at least that many. `max_context` None means the
-    model's own context length.
+    KV capacity is whatever the runner was built with (`runner.num_pages`); `kv_capacity` is
+    the tokens the user asked for (`--kv-capacity`; None = auto, fit free memory): the runtime
+    sizes the runner from it and, when set, the engine checks that the runner holds at least
+    that many. `max_context` None means the model's own context length (the runtime caps it
+    at 8192; see `resolve_max_context`).
     """
 
     max_concurrency: int = attrs.field(default=8, validator=_at_least(1, "execution lanes"))
@@ -51,7 +63,7 @@ class EngineConfig:
         default=60.0, validator=_positive_float("seconds a request may wait for a lane")
     )
     max_context: int | None = attrs.field(
-        default=None, validator=_optional_at_least(2, "tokens per sequence")
+        default=None, validator=_optional_at_least(MIN_CONTEXT, "tokens per sequence")
     )
     page_size: int = attrs.field(default=16, validator=_at_least(1, "tokens per KV page"))
     prefill_chunk: int = attrs.field(
@@ -73,3 +85,23 @@ class EngineConfig:
     lookahead: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     # ^ on a pipelined runner (CUDA), queue decode step N + 1 before reading step N's tokens
     #   (sched/stepper.py): the GPU does not wait for the host between steps
+
+    def __attrs_post_init__(self):
+        kv, context = self.kv_capacity, self.max_context
+        if kv is not None and context is not None and kv < context:
+            raise ConfigError(f"--kv-capacity ({kv} tokens) must hold at least one full --max-context ({context} tokens)")
+
+    def resolve_max_context(self, model_context: int, *, cap: int | None = None) -> int:
+        """The context limit in effect for a model of `model_context` tokens: `max_context`,
+        else the model's (at most `cap`). The one check of `max_context` against the model."""
+        if self.max_context is None:
+            return model_context if cap is None else min(model_context, cap)
+        if self.max_context > model_context:
+            raise ConfigError(
+                f"--max-context {self.max_context} exceeds the model's context of {model_context} tokens"
+            )
+        return self.max_context
+
+    def for_model(self, model_context: int, *, cap: int | None = None) -> EngineConfig:
+        """This config with `max_context` resolved for the model (see `resolve_max_context`)."""
+        return attrs.evolve(self, max_context=self.resolve_max_context(model_context, cap=cap))

@@ -24,7 +24,7 @@ import trio
 
 from ninfer.cache.pages import PagePool, pages_for_tokens
 from ninfer.cache.prefix import PrefixCache
-from ninfer.gpu.runner import Runner
+from ninfer.core.runner import Runner
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.lane import run_lane
 from ninfer.sched.output import OutputText
@@ -51,14 +51,8 @@ MAX_SEED = (1 << 63) - 1
 
 
 def resolve_max_context(config: EngineConfig, runner: Runner) -> int:
-    """The context limit in effect: the config's, else the model's; checked against both."""
-    model_context = runner.spec.max_context
-    max_context = config.max_context or model_context
-    if max_context > model_context:
-        raise ValueError(
-            f"max_context is {max_context} tokens but the model supports at most {model_context}."
-        )
-    return max_context
+    """The context limit in effect: the config's, else the model's (`EngineConfig.resolve_max_context`)."""
+    return config.resolve_max_context(runner.spec.max_context)
 
 
 def check_capacity(config: EngineConfig, runner: Runner, max_context: int) -> None:
@@ -158,8 +152,8 @@ class Engine:
             state.counters.count_outcome(Outcome.TOO_LARGE)
             raise
         # Requests about to take a free lane do not count against the FIFO's bound.
-        num_lanes_free = self.config.max_concurrency - len(state.running) - len(state.paused)
-        if len(state.waiting) >= self.config.max_pending + max(0, num_lanes_free):
+        num_lanes_free = self._limits.free_lanes(len(state.running) + len(state.paused))
+        if len(state.waiting) >= self.config.max_pending + num_lanes_free:
             state.counters.count_outcome(Outcome.OVERLOADED)
             raise Overloaded(
                 f"The engine is at capacity: {self.config.max_pending} requests are already"
@@ -240,8 +234,8 @@ class Engine:
     def _start(self, nursery: trio.Nursery) -> None:
         assign_send, assign_receive = trio.open_memory_channel[Sequence](math.inf)
         for _ in range(self.config.max_concurrency):
-            nursery.start_soon(run_lane, self._state, assign_receive, self.max_context)
-        lookahead = self.config.lookahead and bool(getattr(self.runner, "pipelined", False))
+            nursery.start_soon(run_lane, self._state, assign_receive)
+        lookahead = self.config.lookahead and self.runner.pipelined
         stepper = Stepper(self._state, self.runner, self._executor, self._limits, assign_send,
                           max_context=self.max_context, lookahead=lookahead)  # fmt: skip
         nursery.start_soon(stepper.run)

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 import trio
 
-from ninfer.gpu.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
+from ninfer.core.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
 from ninfer.models.spec import ModelSpec
 
 

@@ -1,10 +1,14 @@
-"""Execution lanes: one trio task per lane, serving one admitted request at a time.
+"""Execution lanes: one trio task per lane, holding one admitted request at a time.
 
-A lane holds its request from admission to finish, paused or not. While the request is
-resident the lane sits inside a cancel scope, taking each sampled token from the step task,
-turning it into events (text, stop strings, grammar, limits) and telling the step task it is
-done, so the next step sees the request's new state. Pausing cancels that scope; the lane then
-waits, keeping everything it emitted, until the step task resumes (or ends) the request.
+A lane holds its request from admission to finish, paused or not: the number of lanes bounds
+the requests in flight. While the request is resident the lane sits inside a cancel scope;
+pausing cancels that scope, and the lane then waits, keeping everything the request emitted,
+until the step task resumes (or ends) the request.
+
+Sampled tokens are accepted by the step task itself, right after the step that sampled them
+(`accept_sampled`: text, stop strings, grammar, limits): one pass over the batch, no task
+switch per token and no barrier between steps, and the next plan sees every request's new
+state. A failure while accepting one request's token ends that request alone.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 
 import trio
 
-from ninfer.gpu.runner import SampledToken
+from ninfer.core.runner import SampledToken
 from ninfer.sched.request import FinishReason, TokenDelta, TokenLogprob
 from ninfer.sched.sequence import Phase, Sequence
 from ninfer.sched.state import EngineState, Ticket
@@ -21,34 +25,31 @@ from ninfer.sched.state import EngineState, Ticket
 log = logging.getLogger(__name__)
 
 
-async def run_lane(state: EngineState, assignments: trio.MemoryReceiveChannel, max_context: int):
-    """Serve admitted requests, one after another, forever."""
+async def run_lane(state: EngineState, assignments: trio.MemoryReceiveChannel):
+    """Hold admitted requests, one after another, forever."""
     async for seq in assignments:
-        await _serve(state, seq, max_context)
+        await _hold(state, seq)
 
 
-async def _serve(state: EngineState, seq: Sequence, max_context: int) -> None:
+async def _hold(state: EngineState, seq: Sequence) -> None:
     ticket = state.tickets.get(seq.seq_id)
     while ticket is not None and seq.phase is not Phase.FINISHED:
         if seq.phase is Phase.PAUSED:
             await ticket.wake.wait()
             continue
         with trio.CancelScope() as ticket.scope:
-            await _consume_tokens(state, seq, ticket, max_context)
+            await trio.sleep_forever()  # resident until a pause or the finish cancels the scope
         ticket.scope = None
 
 
-async def _consume_tokens(state: EngineState, seq: Sequence, ticket: Ticket, max_context: int):
-    while seq.phase is Phase.RUNNING:
-        sampled = await ticket.inbox_receive.receive()
-        try:
-            accept_token(state, seq, ticket, sampled, max_context)
-        except Exception as exc:
-            # A bad request (its grammar, say) must not take the others down.
-            log.exception("request %s failed while accepting a token", seq.request.request_id)
-            state.finish(seq, FinishReason.ERROR, error=f"internal error: {exc}")
-        finally:
-            state.settle_one()
+def accept_sampled(state: EngineState, seq: Sequence, sampled: SampledToken, max_context: int) -> None:
+    """(the step task) Accept one sampled token; a failure ends this request alone."""
+    try:
+        accept_token(state, seq, state.tickets[seq.seq_id], sampled, max_context)
+    except Exception as exc:
+        # A bad request (its grammar, say) must not take the others down.
+        log.exception("request %s failed while accepting a token", seq.request.request_id)
+        state.finish(seq, FinishReason.ERROR, error=f"internal error: {exc}")
 
 
 def accept_token(

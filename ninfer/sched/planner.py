@@ -38,6 +38,10 @@ class PlanLimits:
     host_snapshot_bytes: int
     page_nbytes: int
 
+    def free_lanes(self, num_holding: int) -> int:
+        """Execution lanes left when `num_holding` sequences (running or paused) hold one each."""
+        return max(0, self.max_concurrency - num_holding)
+
 
 @attrs.frozen(kw_only=True)
 class PoolState:
@@ -127,8 +131,7 @@ def plan_step(
     if not pauses:
         resumes = _plan_starts(paused, residents, rows, budget, limits)
         if len(resumes) == len(paused):
-            num_lanes_free = limits.max_concurrency - len(residents)
-            admits = _plan_starts(waiting[: max(0, num_lanes_free)], residents, rows, budget, limits)
+            admits = _plan_starts(waiting[: limits.free_lanes(len(residents))], residents, rows, budget, limits)
     return StepPlan(
         rows=tuple(rows),
         pauses=tuple(pauses),

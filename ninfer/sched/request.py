@@ -12,7 +12,8 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from ninfer.gpu.runner import MAX_TOP_LOGPROBS, SamplingParams
+from ninfer.core.params import MAX_TOP_LOGPROBS, SamplingParams
+from ninfer.core.usage import Timings, Usage
 
 
 class TokenConstraint(Protocol):
@@ -84,20 +85,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
-
-
-@attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-
-@attrs.frozen
-class Timings:
-    queue_s: float  # admission to first scheduled step
-    ttft_s: float  # admission to first token
-    total_s: float  # admission to finish
 
 
 @attrs.frozen

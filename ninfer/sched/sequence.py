@@ -15,7 +15,7 @@ import enum
 import numpy as np
 
 from ninfer.cache.pages import pages_for_tokens
-from ninfer.gpu.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot
 from ninfer.sched.request import GenerationRequest
 
 

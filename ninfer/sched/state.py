@@ -2,29 +2,23 @@
 
 The step task, the lane tasks and `submit` all mutate this one object from the trio thread,
 never across an `await`, so no locks are needed. Page releases of resident sequences happen
-only between steps (the step task reaps cancellations; lanes finish sequences while the step
-task waits for them), never while the runner may still be writing those pages.
+only between steps (the step task reaps cancellations and finishes sequences as it accepts
+their tokens), never while the runner may still be writing those pages.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import trio
 
 from ninfer.cache.pages import PagePool
+from ninfer.core.usage import Timings, Usage
 from ninfer.sched.output import OutputText
 from ninfer.sched.prefix_hook import PrefixCacheHook
-from ninfer.sched.request import (
-    EngineError,
-    EngineUnhealthy,
-    Event,
-    Finished,
-    FinishReason,
-    Timings,
-    Usage,
-)
+from ninfer.sched.request import EngineError, EngineUnhealthy, Event, Finished, FinishReason
 from ninfer.sched.sequence import Phase, Sequence
 from ninfer.sched.stats import Counters, EngineStatistics, Outcome, RequestObserver, RequestRecord
 
@@ -59,7 +53,6 @@ class Ticket:
         self.events_send, self.events_receive = trio.open_memory_channel[Event | EngineError](
             math.inf  # bounded by max_tokens; a slow reader must never stall the step
         )
-        self.inbox_send, self.inbox_receive = trio.open_memory_channel(math.inf)
         self.scope: trio.CancelScope | None = None  # the lane's resident scope; pause cancels it
         self.wake = Signal()  # resumed, or finished while paused
         self.text = text
@@ -94,8 +87,6 @@ class EngineState:
         self.is_draining = False  # shutting down: queued and new requests are refused
         self.work_changed = Signal()  # wakes the idle step task
         self.queue_changed = Signal()  # wakes the deadline task
-        self._num_unsettled = 0
-        self._settled = trio.Event()
 
     # -- phases -------------------------------------------------------------------------
 
@@ -138,7 +129,7 @@ class EngineState:
         self._record(seq, _OUTCOME_OF_REASON[reason], now_s)
         self.work_changed.notify()
 
-    def publish_pages(self, publish, seq: Sequence) -> None:
+    def publish_pages(self, publish: Callable[[Sequence, PagePool], None], seq: Sequence) -> None:
         """Offer a sequence's pages to the prefix cache; a failure costs the sharing, not the engine."""
         try:
             publish(seq, self.pool)
@@ -183,24 +174,6 @@ class EngineState:
         except Exception:
             log.exception("the request observer failed; ignoring it")
 
-    # -- the step barrier ---------------------------------------------------------------
-
-    def deliver(self, seq: Sequence, sampled) -> None:
-        """Hand a sampled token to the sequence's lane; the step task then waits for it."""
-        self.tickets[seq.seq_id].inbox_send.send_nowait(sampled)
-        self._num_unsettled += 1
-
-    def settle_one(self) -> None:
-        self._num_unsettled -= 1
-        if self._num_unsettled == 0:
-            self._settled.set()
-
-    async def wait_settled(self) -> None:
-        """Wait until every lane has processed the token it was handed this step."""
-        if self._num_unsettled:
-            await self._settled.wait()
-        self._settled = trio.Event()
-
     # -- statistics ---------------------------------------------------------------------
 
     def statistics(self, num_lanes: int) -> EngineStatistics:
@@ -233,8 +206,7 @@ class EngineState:
 
 
 def _prefix_fields(prefix: PrefixCacheHook) -> dict[str, int]:
-    statistics = getattr(prefix, "statistics", None)
-    cache = statistics() if statistics is not None else None
+    cache = prefix.statistics()
     if cache is None:
         return {}
     return {

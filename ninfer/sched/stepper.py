@@ -1,8 +1,9 @@
 """The step task: the only owner of the runner.
 
 Each iteration is one recipe: reap cancelled requests, expire the queue, plan, apply the
-plan (reclaim, pause, resume, admit), run one batched forward off the event loop, hand the
-sampled tokens to their lanes and wait until every lane has taken its token.
+plan (reclaim, pause, resume, admit), run one batched forward off the event loop, and accept
+the sampled tokens (lane.accept_sampled: text, stop strings, grammar, limits) in one pass, so
+the next plan sees every request's new state without waiting on any other task.
 
 Lookahead (a pipelined runner, `EngineConfig.lookahead`): while the running set only decodes
 and nothing could be admitted or resumed, the step task submits step N + 1 with `feed` (its
@@ -26,10 +27,10 @@ import trio
 
 import attrs
 
-from ninfer.gpu.runner import Runner, SampleSpec, StepRow, next_position
+from ninfer.core.runner import Runner, SampleSpec, StepRow, next_position
+from ninfer.sched.lane import accept_sampled
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
 from ninfer.sched.planner import StepPlan, split_expired
-from ninfer.sched.prefix_hook import detach
 from ninfer.sched.request import FinishReason, QueueTimeout, RequestFailed, Started
 from ninfer.sched.sequence import Phase, Sequence
 from ninfer.sched.state import EngineState
@@ -129,8 +130,8 @@ class Stepper:
 
     def _attach_prefixes(self) -> None:
         state = self._state
-        num_lanes_free = self._limits.max_concurrency - len(state.running) - len(state.paused)
-        for seq in state.waiting[: max(0, num_lanes_free)]:
+        num_lanes_free = self._limits.free_lanes(len(state.running) + len(state.paused))
+        for seq in state.waiting[:num_lanes_free]:
             if not seq.is_prefix_looked_up:
                 seq.is_prefix_looked_up = True
                 try:
@@ -151,14 +152,14 @@ class Stepper:
         for seq in self._state.waiting:
             if seq.is_prefix_looked_up and seq.seq_id not in admitted:
                 held = held or bool(seq.pages)
-                detach(self._state.prefix, seq, self._state.pool)
+                self._state.prefix.detach(seq, self._state.pool)
+                seq.is_prefix_looked_up = False
         return held
 
     async def _run_cache_io(self) -> None:
         """Run the prefix cache's queued KV copies off the event loop, then let it settle them."""
         prefix = self._state.prefix
-        take_io = getattr(prefix, "take_io", None)
-        io = take_io() if take_io is not None else None
+        io = prefix.take_io()
         if io:
             result = await self._executor(io.run, self._runner)
             prefix.complete_io(io, result, self._state.pool)
@@ -217,7 +218,6 @@ class Stepper:
             return
         if not self._lookahead:
             self._commit_step(kept, rows, await self._executor(self._runner.step, rows))
-            await self._state.wait_settled()
             return
         pending = await self._executor(self._runner.submit, rows)
         while True:
@@ -228,7 +228,6 @@ class Stepper:
                 results, next_pending = await self._executor(self._submit_then_collect, ahead[1], pending)
                 self._state.counters.num_lookahead_steps += 1
             self._commit_step(kept, rows, results)
-            await self._state.wait_settled()
             if ahead is None:
                 return
             (kept, rows), pending = ahead, next_pending
@@ -331,14 +330,13 @@ class Stepper:
         counters.num_prefill_tokens += max(0, min(new, seq.num_prompt) - max(old, seq.num_computed_max))
         seq.num_computed_max = max(seq.num_computed_max, new)
         if new // self._limits.page_size > old // self._limits.page_size and seq.phase is Phase.RUNNING:
-            publish_progress = getattr(self._state.prefix, "publish_progress", None)
-            if publish_progress is not None:
-                self._state.publish_pages(publish_progress, seq)  # requests arriving now reuse these pages
+            # Share the pages just completed: requests arriving now reuse them.
+            self._state.publish_pages(self._state.prefix.publish_progress, seq)
         # A request cancelled (or shut down) while the step ran is reaped, not fed.
         if planned.samples and seq.phase is Phase.RUNNING and not seq.is_cancel_requested:
             if result is None:
                 raise RuntimeError(f"the runner sampled nothing for sequence {seq.seq_id}")
-            self._state.deliver(seq, result)
+            accept_sampled(self._state, seq, result, self._max_context)
 
 
 def expire_waiting(state: EngineState) -> None:

@@ -42,11 +42,16 @@ class RequestStream:
         self._receive = receive
         self._cancel = cancel
         self._is_done = False
+        self._error: EngineError | None = None  # met by take_ready, raised by the next __anext__
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> Event:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._is_done = True
+            raise error
         if self._is_done:
             raise StopAsyncIteration
         try:
@@ -63,6 +68,26 @@ class RequestStream:
         if isinstance(item, Finished):
             self._is_done = True
         return item
+
+    def take_ready(self) -> list[Event]:
+        """The events already waiting, without a checkpoint (a reader that fell behind takes
+        them in one go). An `EngineError` among them is raised by the next `__anext__`."""
+        ready: list[Event] = []
+        while not self._is_done and self._error is None:
+            try:
+                item = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                break
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                self._is_done = True
+                break
+            if isinstance(item, EngineError):
+                self._error = item
+                break
+            ready.append(item)
+            if isinstance(item, Finished):
+                self._is_done = True
+        return ready
 
     def cancel(self) -> None:
         """Cancel the request (no-op once it finished); its pages are free within one step."""

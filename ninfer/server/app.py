@@ -24,9 +24,9 @@ from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
+from ninfer.protocols.errors import ApiError, ErrorKind
 from ninfer.server import routes_anthropic, routes_openai, routes_responses
-from ninfer.server.http_io import http_api_error, json_response
+from ninfer.server.http_io import error_from_exception, http_api_error, json_response
 from ninfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from ninfer.server.settings import ServerSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ninfer.grammar.closed_schema import closed_schema
 from ninfer.grammar.constraint import GrammarError
 from ninfer.grammar.tool_grammar import ToolSpec
-from ninfer.server.calls import ChatCall, InvalidRequest
+from ninfer.protocols.calls import ChatCall, InvalidRequest
 
 TOOL_CHOICE_MODES = ("auto", "none", "required")
 

@@ -9,7 +9,6 @@ request in the engine (its pages are freed within one step).
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -17,10 +16,14 @@ from typing import Protocol
 import attrs
 import trio
 
-from ninfer.protocols.tool_calls import END_TAG, CallPiece, TextPiece, ToolCallParser
-from ninfer.sched.request import EngineError, Finished, FinishReason, QueueTimeout, Started, TokenDelta, Usage
-from ninfer.server.calls import (
+from ninfer.core.usage import Usage
+from ninfer.protocols.calls import (
     CallEvent, CallFinished, CallStarted, Idle, LogprobEntry, TextDelta, ToolCallDelta,
+)  # fmt: skip
+from ninfer.protocols.tool_calls import END_TAG, CallPiece, TextPiece, ToolCallParser
+from ninfer.sched.engine import Engine
+from ninfer.sched.request import (
+    EngineError, Finished, FinishReason, GenerationRequest, QueueTimeout, Started, TokenDelta,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -38,13 +41,7 @@ class _Failure:
     error: BaseException
 
 
-def _submit(engine, request):
-    # The engine's non-waiting submit raises Overloaded at once when the queue is full.
-    submit = getattr(engine, "submit_nowait", None) or engine.submit
-    return submit(request)
-
-
-async def pump_events(engine, request, send, observer: CallObserver | None, *,
+async def pump_events(engine: Engine, request: GenerationRequest, send, observer: CallObserver | None, *,
                       task_status=trio.TASK_STATUS_IGNORED):  # fmt: skip
     """Submit `request` and forward its events to `send` until it finishes or is cancelled.
 
@@ -55,9 +52,7 @@ async def pump_events(engine, request, send, observer: CallObserver | None, *,
     with trio.CancelScope() as scope:
         async with send:  # closed last, after any failure below went down it
             try:
-                stream = _submit(engine, request)
-                if inspect.isawaitable(stream):
-                    stream = await stream
+                stream = engine.submit(request)  # never waits: a full queue raises Overloaded at once
                 async with stream as events:
                     task_status.started(scope)
                     started = True
@@ -81,16 +76,19 @@ async def pump_events(engine, request, send, observer: CallObserver | None, *,
 
 
 async def _forward(events, send, gaps: list[float]) -> tuple[str, Finished | None]:
+    """Forward the engine's events; whatever is already waiting goes in one go (one task switch
+    per batch, not per token), and the channel is unbounded as the engine's own is."""
     last_token_s = None
-    async for event in events:
-        if isinstance(event, TokenDelta) and event.token_ids:
-            now = trio.current_time()
-            if last_token_s is not None:
-                gaps.append((now - last_token_s) / len(event.token_ids))
-            last_token_s = now
-        await send.send(event)
-        if isinstance(event, Finished):
-            return event.reason.value, event
+    async for first in events:
+        for event in (first, *events.take_ready()):
+            if isinstance(event, TokenDelta) and event.token_ids:
+                now = trio.current_time()
+                if last_token_s is not None:
+                    gaps.append((now - last_token_s) / len(event.token_ids))
+                last_token_s = now
+            send.send_nowait(event)
+            if isinstance(event, Finished):
+                return event.reason.value, event
     return "cancelled", None
 
 
@@ -117,6 +115,7 @@ class EventStream:
         self._pending: collections.deque[CallEvent] = collections.deque()
         self._num_calls = 0
         self._is_done = False
+        self._failure: _Failure | None = None  # raised once the events before it are taken
 
     async def __aenter__(self) -> EventStream:
         return self
@@ -129,6 +128,9 @@ class EventStream:
 
     async def __anext__(self) -> CallEvent:
         while not self._pending:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure.error
             if self._is_done:
                 raise StopAsyncIteration
             with trio.move_on_after(self._keepalive_s):
@@ -138,9 +140,23 @@ class EventStream:
                     self._end_without_finish()
                     continue
                 self._convert(item)
+                self._take_ready()
                 continue
             return Idle()
         return self._pending.popleft()
+
+    def _take_ready(self) -> None:
+        """Convert every event already waiting, so that text a slow reader has not taken yet
+        goes out coalesced (`_append` merges adjacent text deltas): one frame, not one each."""
+        while not self._is_done:
+            try:
+                item = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                return
+            except trio.EndOfChannel:
+                self._end_without_finish()
+                return
+            self._convert(item)
 
     async def aclose(self) -> None:
         """Cancel the request (if still running) and release the channel."""
@@ -156,7 +172,8 @@ class EventStream:
     def _convert(self, item) -> None:
         if isinstance(item, _Failure):
             self._is_done = True
-            raise item.error
+            self._failure = item
+            return
         if isinstance(item, Started):
             self._pending.append(CallStarted(self.request_id or item.request_id, item.prompt_tokens, item.cached_tokens))
         elif isinstance(item, TokenDelta):
@@ -167,7 +184,7 @@ class EventStream:
     def _add_delta(self, delta: TokenDelta) -> None:
         logprobs = None if delta.logprobs is None else tuple(self._entry(lp) for lp in delta.logprobs)
         if self._parser is None:
-            self._pending.append(TextDelta(delta.text, tuple(delta.token_ids), logprobs))
+            self._append(TextDelta(delta.text, tuple(delta.token_ids), logprobs))
             return
         events = self._from_pieces(self._parser.feed(delta.text))
         for i, event in enumerate(events):
@@ -176,7 +193,19 @@ class EventStream:
                 break
         else:
             events.insert(0, TextDelta("", tuple(delta.token_ids), logprobs))
-        self._pending.extend(events)
+        for event in events:
+            self._append(event)
+
+    def _append(self, event: CallEvent) -> None:
+        """Queue an event; text right after text (not yet taken) joins it."""
+        last = self._pending[-1] if self._pending else None
+        if isinstance(event, TextDelta) and isinstance(last, TextDelta):
+            logprobs = None
+            if last.logprobs is not None or event.logprobs is not None:
+                logprobs = (last.logprobs or ()) + (event.logprobs or ())
+            self._pending[-1] = TextDelta(last.text + event.text, last.token_ids + event.token_ids, logprobs)
+        else:
+            self._pending.append(event)
 
     def _add_finish(self, finished: Finished) -> None:
         if self._parser is not None:

@@ -9,10 +9,12 @@ import trio
 from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
+from ninfer.protocols.calls import CallFinished, CallResult, CallStarted, Idle, InvalidRequest, ModelNotFound
 from ninfer.protocols.errors import ApiError, ErrorKind, kind_of_status
 from ninfer.protocols.json_body import parse_json_body
 from ninfer.protocols.sse import SSE_HEADERS, encode_json
-from ninfer.server.calls import CallFinished, CallResult, CallStarted, Idle
+from ninfer.protocols.strict import WireFormatError
+from ninfer.sched import request as engine
 
 
 JSON_MEDIA_TYPE = "application/json"
@@ -38,6 +40,37 @@ async def read_json(request) -> Any:
     if len(data) > _PARSE_IN_THREAD_BYTES:
         return await trio.to_thread.run_sync(parse_json_body, data)
     return parse_json_body(data)
+
+
+def error_from_exception(exc: BaseException) -> ApiError:
+    """The ApiError for any exception a request handler lets escape.
+
+    Known client and engine errors get their own kind; anything else is INTERNAL with a
+    generic message (the handler logs the traceback; the client never sees internals).
+    """
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ModelNotFound):
+        return ApiError(ErrorKind.NOT_FOUND, exc.message, exc.param, exc.code)
+    if isinstance(exc, InvalidRequest):
+        return ApiError(ErrorKind.INVALID_REQUEST, exc.message, exc.param, exc.code)
+    if isinstance(exc, WireFormatError):
+        return ApiError(ErrorKind.INVALID_REQUEST, exc.message, exc.param, "invalid_value")
+    if isinstance(exc, engine.Overloaded):
+        reason = str(exc).rstrip(". ") or "the request queue is full"
+        return ApiError(ErrorKind.OVERLOADED, f"The server is busy: {reason}. Retry later.")
+    if isinstance(exc, engine.QueueTimeout):
+        return ApiError(ErrorKind.UNAVAILABLE, f"The request waited too long for a free slot: {exc}", code="queue_timeout")
+    if isinstance(exc, engine.ShuttingDown):
+        return ApiError(ErrorKind.UNAVAILABLE, "The server is shutting down; retry on another server or later.",
+                        code="shutting_down")  # fmt: skip
+    if isinstance(exc, engine.EngineUnhealthy):
+        return ApiError(ErrorKind.UNAVAILABLE, f"The inference engine is unavailable: {exc}", code="engine_unhealthy")
+    if isinstance(exc, engine.InvalidRequest):
+        return ApiError(ErrorKind.INVALID_REQUEST, str(exc), "prompt")
+    if isinstance(exc, engine.RequestTooLarge):
+        return ApiError(ErrorKind.INVALID_REQUEST, str(exc), "messages", "context_length_exceeded")
+    return ApiError(ErrorKind.INTERNAL, "The server had an internal error while processing the request.")
 
 
 def http_api_error(error: HTTPException) -> ApiError:

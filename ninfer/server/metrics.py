@@ -13,6 +13,9 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ninfer.sched.request import Finished
+from ninfer.sched.stats import EngineStatistics, RequestRecord
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -53,19 +56,19 @@ _COUNTERS = (
 
 
 class _EngineCollector:
-    def __init__(self, statistics: Callable[[], object]):
+    def __init__(self, statistics: Callable[[], EngineStatistics]):
         self._statistics = statistics
 
     def collect(self):
         stats = self._statistics()
         for name, field, doc in _GAUGES:
-            yield GaugeMetricFamily(name, doc, value=float(getattr(stats, field, 0)))
+            yield GaugeMetricFamily(name, doc, value=float(getattr(stats, field)))
         yield GaugeMetricFamily("ninfer_engine_healthy", "1 while the engine accepts work.",
-                                value=1.0 if getattr(stats, "is_healthy", True) else 0.0)  # fmt: skip
+                                value=1.0 if stats.is_healthy else 0.0)  # fmt: skip
         for name, field, doc in _COUNTERS:
-            yield CounterMetricFamily(name, doc, value=float(getattr(stats, field, 0)))
+            yield CounterMetricFamily(name, doc, value=float(getattr(stats, field)))
         outcomes = CounterMetricFamily("ninfer_requests", "Requests by how they ended.", labels=["outcome"])
-        for outcome, count in sorted(getattr(stats, "requests_by_outcome", {}).items()):
+        for outcome, count in sorted(stats.requests_by_outcome.items()):
             outcomes.add_metric([outcome], float(count))
         yield outcomes
 
@@ -73,7 +76,7 @@ class _EngineCollector:
 class ServerMetrics:
     """The registry `/metrics` renders, and the hooks that fill its histograms."""
 
-    def __init__(self, statistics: Callable[[], object]):
+    def __init__(self, statistics: Callable[[], EngineStatistics]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(statistics))
         self.ttft = Histogram("ninfer_time_to_first_token_seconds", "Submission to first token.",
@@ -90,14 +93,14 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_record(self, record) -> None:
-        """The engine's per-request observer (a `ninfer.sched.stats.RequestRecord`)."""
+    def observe_record(self, record: RequestRecord) -> None:
+        """The engine's per-request observer."""
         self._observe(record.queue_s, record.ttft_s, record.total_s, record.inter_token_s)
 
-    def call_finished(self, outcome: str, finished, inter_token_s: Sequence[float]) -> None:
+    def call_finished(self, outcome: str, finished: Finished | None, inter_token_s: Sequence[float]) -> None:
         """The service's per-stream observer, used when the engine takes no observer."""
-        timings = getattr(finished, "timings", None)
-        if timings is not None:
+        if finished is not None:
+            timings = finished.timings
             self._observe(timings.queue_s, timings.ttft_s, timings.total_s, inter_token_s)
 
     def _observe(self, queue_s, ttft_s, total_s, inter_token_s) -> None:

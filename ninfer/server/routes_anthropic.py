@@ -18,10 +18,12 @@ from quart import Response, request
 
 from ninfer.protocols import anthropic as wire
 from ninfer.protocols.anthropic_events import MessageStream, Ping, to_json
-from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
+from ninfer.protocols.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
+from ninfer.protocols.errors import ApiError, ErrorKind
 from ninfer.protocols.sse import sse_event
-from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import json_response, open_sse, raise_if_failed, read_json, request_id_of
+from ninfer.server.http_io import (
+    error_from_exception, json_response, open_sse, raise_if_failed, read_json, request_id_of,
+)  # fmt: skip
 
 log = logging.getLogger(__name__)
 

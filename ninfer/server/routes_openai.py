@@ -17,11 +17,11 @@ from quart import Response, g, request
 from ninfer.protocols import openai as wire
 from ninfer.protocols import openai_calls as calls
 from ninfer.protocols import openai_out as out
-from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
+from ninfer.protocols.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
+from ninfer.protocols.errors import ApiError, ErrorKind
 from ninfer.protocols.sse import DONE, sse_comment, sse_event
 from ninfer.protocols.strict import structure
-from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import json_response, open_sse, raise_if_failed, read_json
+from ninfer.server.http_io import error_from_exception, json_response, open_sse, raise_if_failed, read_json
 
 log = logging.getLogger(__name__)
 

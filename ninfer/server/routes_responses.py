@@ -18,14 +18,16 @@ import trio
 from quart import Response, request
 
 from ninfer.protocols import responses as wire
-from ninfer.protocols.errors import ApiError, ErrorKind, error_from_exception
+from ninfer.protocols.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
+from ninfer.protocols.errors import ApiError, ErrorKind
 from ninfer.protocols.responses_events import (
     DeletedResponse, ResponseStream, TokenLogprob, TopLogprob, new_id, to_json, usage,
 )  # fmt: skip
 from ninfer.protocols.responses_events import Response as WireResponse
 from ninfer.protocols.sse import sse_comment, sse_event
-from ninfer.server.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
-from ninfer.server.http_io import json_response, open_sse, raise_if_failed, read_json, request_id_of
+from ninfer.server.http_io import (
+    error_from_exception, json_response, open_sse, raise_if_failed, read_json, request_id_of,
+)  # fmt: skip
 from ninfer.server.responses_store import ResponsesStore, StoredResponse
 
 log = logging.getLogger(__name__)

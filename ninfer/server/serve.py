@@ -3,7 +3,10 @@
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(serve, ServerSettings(port=0))
 
-reports the bound address once the socket listens. Shutdown: SIGINT / SIGTERM (when running in
+reports the bound address once the server is ready. The socket listens from the start: while
+the model loads and the runner compiles its kernels and captures every batch shape (CUDA),
+`/health` answers 503 `{"status": "loading", "stage": ...}` and every other route 503 in its
+API's own error shape, so the first real request never waits for a compilation. Shutdown: SIGINT / SIGTERM (when running in
 the main thread) or `shutdown_trigger` returning. Hypercorn then stops accepting connections;
 queued requests are answered 503 at once; running requests and streams get
 `settings.shutdown_grace_s`, after which the engine cancels them, so each stream still ends
@@ -26,9 +29,10 @@ import threading
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
+import attrs
 import trio
 
-from ninfer.server.settings import ServerSettings
+from ninfer.server.settings import MIB, ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -43,70 +47,101 @@ async def serve(
 ) -> None:  # fmt: skip
     """Serve until shutdown.
 
+    The socket listens first; while the model loads and the runner warms up, `/health` is 503
+    `{"status": "loading"}` and every other route 503 in its API's shape (readiness.py).
+    `task_status` reports the address once the server is ready.
     `model` (a LoadedModel) skips loading `settings.model`; `runner` (a Runner for that model,
     which the caller then owns and closes) skips creating one from the settings.
     `handle_signals` None means: only when running in the main thread (where trio can).
     """
-    from ninfer.runtime import create_runner, effective_max_context, load
+    from ninfer.server.readiness import ReadinessSwitch
 
-    if model is None:
-        model = await trio.to_thread.run_sync(functools.partial(load, settings.model, progress=True))
-    options = settings.runtime_options()
-    if runner is not None:
-        max_context = effective_max_context(model, options)
-        await _serve_with_runner(settings, model, runner, max_context, shutdown_trigger, handle_signals, task_status)
-        return
-    runner, backend, max_context = await trio.to_thread.run_sync(create_runner, model, options)
-    cache = f"prefix cache on, host tier {settings.host_cache_mib:g} MiB" if settings.prefix_reuse else "prefix cache off"
-    log.info("model %s on the %s backend, %d KV pages of %d tokens, %s", model.name, backend, runner.num_pages,
-             settings.page_size, cache)  # fmt: skip
+    if handle_signals is None:
+        handle_signals = threading.current_thread() is threading.main_thread()
+    switch = ReadinessSwitch()
+    shutdown = trio.Event()
     try:
-        await _serve_with_runner(settings, model, runner, max_context, shutdown_trigger, handle_signals, task_status)
+        await _serve(settings, model, runner, switch, shutdown, shutdown_trigger, handle_signals, task_status)
+    except BaseExceptionGroup as group:  # a failure to start (a bad model, say) is raised as itself
+        leaves = _leaves(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
+async def _serve(settings, model, runner, switch, shutdown, shutdown_trigger, handle_signals, task_status) -> None:
+    import hypercorn.trio
+
+    async with trio.open_nursery() as nursery:
+        if handle_signals:
+            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
+        if shutdown_trigger is not None:
+            nursery.start_soon(_set_after, shutdown_trigger, shutdown)
+
+        async def run_hypercorn(*, task_status):
+            await hypercorn.trio.serve(switch, _hypercorn_config(settings), shutdown_trigger=shutdown.wait,
+                                       task_status=task_status)  # fmt: skip
+            nursery.cancel_scope.cancel()  # stop the engine too once the server has drained
+
+        binds = await nursery.start(run_hypercorn)
+        address = _address_of(binds[0])
+        log.info("listening on http://%s:%d (answering 503 'loading' until the model is ready)", *address)
+        await nursery.start(_run_engine, settings, model, runner, switch, shutdown)
+        log.info("serving on http://%s:%d", *address)
+        task_status.started(address)
+
+
+async def _run_engine(settings: ServerSettings, model, runner, switch, shutdown: trio.Event, *, task_status) -> None:
+    """Load, create and warm the runner, open the engine and the app, then serve until cancelled."""
+    from ninfer.runtime import config_for_model, create_runner, load, warm_up
+
+    owns_runner = runner is None
+    if model is None:
+        switch.stage = "loading the model"
+        model = await trio.to_thread.run_sync(functools.partial(load, settings.model, progress=True),
+                                              abandon_on_cancel=True)  # fmt: skip
+    if owns_runner:
+        switch.stage = "creating the runner"
+        runner, backend, config = await trio.to_thread.run_sync(create_runner, model, settings.runtime, settings.engine,
+                                                                abandon_on_cancel=True)  # fmt: skip
+    else:  # its pages are the KV capacity: settings.engine.kv_capacity sizes runners built here
+        backend, config = None, config_for_model(model, attrs.evolve(settings.engine, kv_capacity=None))
+    try:
+        if owns_runner:
+            cache = f"prefix cache on, host tier {config.host_cache_bytes / MIB:g} MiB" if config.prefix_cache else "prefix cache off"
+            log.info("model %s on the %s backend, %d KV pages of %d tokens, %s", model.name, backend, runner.num_pages,
+                     config.page_size, cache)  # fmt: skip
+            switch.stage = "compiling kernels and capturing graphs"
+            seconds = await trio.to_thread.run_sync(functools.partial(warm_up, runner, backend, config, progress=True),
+                                                    abandon_on_cancel=True)  # fmt: skip
+            if seconds is not None:
+                log.info("warmed up every batch shape in %.1f s", seconds)
+        switch.stage = "starting the engine"
+        await _open_app(settings, model, runner, config, switch, shutdown, task_status)
     finally:
-        runner.close()
+        if owns_runner:
+            runner.close()
 
 
-async def _serve_with_runner(settings, model, runner, max_context, shutdown_trigger, handle_signals, task_status):
-    from ninfer.sched.engine import EngineConfig, open_engine
+async def _open_app(settings, model, runner, config, switch, shutdown: trio.Event, task_status) -> None:
+    from ninfer.sched.engine import open_engine
     from ninfer.server.app import create_app
     from ninfer.server.metrics import ServerMetrics
     from ninfer.server.service import ServiceDefaults, open_service
 
     engines = []
     metrics = ServerMetrics(lambda: engines[0].statistics())
-    config = EngineConfig(max_context=max_context, page_size=settings.page_size, **settings.engine_fields())
     async with open_engine(config, runner, model.tokenizer, stop_token_ids=model.stop_token_ids,
                            observer=metrics.observe_record) as engine:  # fmt: skip
         engines.append(engine)
-        defaults = ServiceDefaults(max_tokens=settings.default_max_tokens, sampling=settings.sampling_defaults())
+        defaults = ServiceDefaults(max_tokens=settings.default_max_tokens, sampling=settings.sampling)
         async with open_service(engine, model, max_context=engine.max_context, model_id=settings.model_id,
                                 defaults=defaults, keepalive_s=settings.keepalive_s) as service:  # fmt: skip
             app = create_app(service, settings, metrics)
-            await _run_http(app, service, settings, shutdown_trigger, handle_signals, task_status)
-
-
-async def _run_http(app, service, settings: ServerSettings, shutdown_trigger, handle_signals, task_status) -> None:
-    import hypercorn.trio
-
-    if handle_signals is None:
-        handle_signals = threading.current_thread() is threading.main_thread()
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        if handle_signals:
-            nursery.start_soon(_watch_signals, shutdown, nursery.cancel_scope)
-        if shutdown_trigger is not None:
-            nursery.start_soon(_set_after, shutdown_trigger, shutdown)
-        nursery.start_soon(_end_requests_on_shutdown, shutdown, service, settings.shutdown_grace_s)
-
-        async def run_hypercorn(*, task_status):
-            await hypercorn.trio.serve(app, _hypercorn_config(settings), shutdown_trigger=shutdown.wait,
-                                       task_status=task_status)  # fmt: skip
-            nursery.cancel_scope.cancel()  # stop the other tasks once the server has drained
-
-        binds = await nursery.start(run_hypercorn)
-        address = _address_of(binds[0])
-        log.info("serving on http://%s:%d", *address)
-        task_status.started(address)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(switch.run_app, app)
+                nursery.start_soon(_end_requests_on_shutdown, shutdown, service, settings.shutdown_grace_s)
+                task_status.started()
 
 
 async def _end_requests_on_shutdown(shutdown: trio.Event, service, grace_s: float) -> None:
@@ -158,6 +193,12 @@ def _only(error: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
     if isinstance(error, BaseExceptionGroup):
         return all(_only(e, kinds) for e in error.exceptions)
     return isinstance(error, kinds)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
 
 
 def _leaf(error: BaseException) -> BaseException:

@@ -9,7 +9,7 @@ Usage (inside `serve`, which owns the engine)::
                 ...                       # Idle whenever nothing happened for keepalive_s
         result = await service.chat(call)  # or: the whole answer at once (a CallResult)
 
-What it does for a call (records in `ninfer.server.calls`):
+What it does for a call (records in `ninfer.protocols.calls`):
 
 - renders `messages` (+ `tools` unless tool_choice is "none") through the model's chat
   template and tokenizes them; `count_tokens(call)` returns that length;
@@ -35,20 +35,23 @@ into the engine.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+
 import attrs
 import trio
 
-from ninfer.gpu.runner import SamplingParams
-from ninfer.protocols.tool_calls import END_TAG
-from ninfer.sched.request import EngineError, GenerationRequest
-from ninfer.server.calls import (
+from ninfer.core.params import SamplingParams
+from ninfer.protocols.calls import (
     CallResult, CallStarted, ChatCall, CompletionCall, GenerationOptions, InvalidRequest, ModelNotFound,
     SamplingOptions, TextDelta, ToolCall, ToolCallDelta, CallFinished,
 )  # fmt: skip
+from ninfer.protocols.tool_calls import END_TAG
+from ninfer.sched.engine import Engine
+from ninfer.sched.request import EngineError, GenerationRequest
 from ninfer.server.chat_prompt import (
     build_constraint, render_chat, tool_specs, uses_tool_parser, validate_tool_choice,
 )  # fmt: skip
@@ -56,7 +59,6 @@ from ninfer.server.event_stream import CallObserver, EventStream, pump_events
 
 log = logging.getLogger(__name__)
 
-_CHANNEL_SIZE = 256
 # Large inputs templated / tokenized at once, in worker threads: few, so a burst of huge
 # prompts leaves cores to the engine. Small inputs never queue behind them.
 LARGE_INPUT_THREADS = 2
@@ -76,7 +78,7 @@ class ServiceDefaults:
 class GenerationService:
     """Created by `open_service`; every method is safe to call from any request handler."""
 
-    def __init__(self, engine, model, nursery: trio.Nursery, *, model_id: str, max_context: int,
+    def __init__(self, engine: Engine, model, nursery: trio.Nursery, *, model_id: str, max_context: int,
                  defaults: ServiceDefaults, grammar, keepalive_s: float,
                  observer: CallObserver | None):  # fmt: skip
         self.engine = engine
@@ -96,7 +98,7 @@ class GenerationService:
 
     @property
     def is_healthy(self) -> bool:
-        return bool(getattr(self.engine, "is_healthy", True))
+        return self.engine.is_healthy
 
     def statistics(self):
         return self.engine.statistics()
@@ -164,8 +166,7 @@ class GenerationService:
         """Exact bytes of one token (llguidance's view works for every vocabulary kind)."""
         if self.grammar is not None:
             return self.grammar.token_bytes(token_id)
-        exact = getattr(self.model.tokenizer, "token_bytes", None)
-        return exact(int(token_id)) if exact else self.token_text(token_id).encode("utf-8")
+        return self.model.tokenizer.token_bytes(int(token_id))
 
     # ---- generation ------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ class GenerationService:
                 prompt_ids=tuple(int(t) for t in prompt_ids), max_tokens=max_tokens, sampling=sampling,
                 stop=stop, seed=call.seed, logprobs=call.logprobs, top_logprobs=call.top_logprobs,
                 constraint=constraint, cache_salt=call.cache_salt, cache_read_only=call.cache_read_only,
-                request_id=call.request_id,
+                request_id=call.request_id, ignore_eos=call.ignore_eos,
             )  # fmt: skip
         except ValueError as e:  # the engine's own checks, should a call get past the edge's
             raise InvalidRequest(f"{e}.", code="invalid_value") from None
@@ -263,7 +264,7 @@ class GenerationService:
                 raise InvalidRequest(f"Token id {t!r} is out of range [0, {vocab}).", f"{param}.{i}")
 
     async def _start(self, request: GenerationRequest, *, parse_tools: bool) -> EventStream:
-        send, receive = trio.open_memory_channel(_CHANNEL_SIZE)
+        send, receive = trio.open_memory_channel(math.inf)  # bounded by max_tokens, as the engine's
         scope = await self._nursery.start(pump_events, self.engine, request, send, self.observer)
         return EventStream(
             receive, scope, request_id=request.request_id, keepalive_s=self.keepalive_s,
@@ -328,7 +329,7 @@ async def collect(stream: EventStream) -> CallResult:
 
 @asynccontextmanager
 async def open_service(
-    engine, model, *, max_context: int, model_id: str | None = None,
+    engine: Engine, model, *, max_context: int, model_id: str | None = None,
     defaults: ServiceDefaults = ServiceDefaults(), keepalive_s: float = 10.0,
     observer: CallObserver | None = None,
 ) -> AsyncIterator[GenerationService]:  # fmt: skip
@@ -350,17 +351,12 @@ def _load_grammar(model):
     try:
         from ninfer.grammar import GrammarCompiler
 
-        tokenizer = model.tokenizer
-        to_json: Callable[[], str] = getattr(tokenizer, "to_json_str", None) or tokenizer.hf.to_str
         return GrammarCompiler(
-            to_json(), vocab_size=model.spec.vocab_size, stop_token_ids=model.stop_token_ids
+            model.tokenizer.to_json_str(), vocab_size=model.spec.vocab_size, stop_token_ids=model.stop_token_ids
         )
     except Exception as e:  # structured output is optional; plain generation still works
         log.warning("structured output disabled: %s", e)
         return None
 
 
-__all__ = [
-    "GenerationService", "ServiceDefaults", "open_service", "collect", "tool_specs", "ChatCall",
-    "CompletionCall", "InvalidRequest", "ModelNotFound",
-]  # fmt: skip
+__all__ = ["GenerationService", "ServiceDefaults", "open_service", "collect", "tool_specs"]

@@ -1,4 +1,7 @@
-"""The numba.cuda backend: kernels, device buffers, CUDA graphs and the `CudaRunner`.
+"""The numba.cuda backend: the `CudaRunner` (runner.py) and the serving machinery around the
+kernels (kernels/): step staging (staging.py), device buffers (buffers.py), weights on the
+device (device_weights.py, device_model.py), the launch sequence of a step (forward.py), CUDA
+graphs (graphs.py), KV page moves (pages.py), and the `KernelPlan` of kernel choices (plan.py).
 
 Importing this package imports nothing heavy; numba is imported by its submodules only, so
 `ninfer.gpu.cuda.available.cuda_available()` can be asked anywhere without pulling numba in.

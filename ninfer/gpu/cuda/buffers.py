@@ -11,10 +11,10 @@ import attrs
 import numpy as np
 from numba import cuda
 
-from ninfer.gpu.cuda.intrinsics import SIMULATOR
-from ninfer.gpu.runner import MAX_TOP_LOGPROBS
-from ninfer.gpu.cuda import sampler
-from ninfer.gpu.cuda.sampler import NUM_FPAR, NUM_IPAR
+from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
+from ninfer.core.params import MAX_TOP_LOGPROBS
+from ninfer.gpu.cuda.kernels import sampler
+from ninfer.gpu.cuda.kernels.sampler import NUM_FPAR, NUM_IPAR
 
 TOKEN_FIELDS = 4  # token id, position, page, slot
 ROW_FIELDS = 4  # seq_len, last token index, row's first token, row's start position
@@ -102,9 +102,7 @@ class StepBuffers:
         self.scores = _dev((r, spec.vocab_size), np.float32)
         for name, _, shape, dtype in _io_arrays(spec, limits):  # inputs and outputs
             setattr(self, name, _dev(shape, dtype))
-        self.attn_counters = cuda.to_device(np.zeros((r, spec.num_kv_heads), np.int32))  # attn_decode's merge
         self.sampler_scratch = sampler.scratch(r)  # the split statistics pass's partials and counts
-        self.norm_sums = _dev(2 * spec.num_layers, np.float32)  # gemv_norm's sums of squares (embed zeroes them)
         self.dummy_f32 = _dev((1, 1), np.float32)
         self.dummy_f1 = _dev(1, np.float32)
         # host mirrors: MIRRORS sets, so a step can be staged while the one before is in flight

@@ -7,7 +7,7 @@ import numpy as np
 from numba import cuda
 
 from ninfer.gpu.cuda.device_weights import DeviceWeight, upload_weight
-from ninfer.gpu.cuda.quant_layout import concat_rows, pack_tensor
+from ninfer.gpu.cuda.kernels.quant_layout import concat_rows, pack_tensor
 from ninfer.models.weights import ModelWeights
 
 FLOAT_QTYPES = ("F32", "F16", "BF16")

@@ -7,7 +7,7 @@ import numpy as np
 from numba import cuda, types
 from numba.np import numpy_support
 
-from ninfer.gpu.cuda.quant_layout import PackedWeight
+from ninfer.gpu.cuda.kernels.quant_layout import PackedWeight
 
 _QS_DTYPE = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from cuda.bindings import driver
 
-from ninfer.gpu.cuda import pdl
-from ninfer.gpu.cuda.intrinsics import pdl_supported
+from ninfer.gpu.cuda.kernels import pdl
+from ninfer.gpu.cuda.kernels.intrinsics import pdl_supported
 
 
 class CudaDriverError(RuntimeError):
@@ -36,10 +36,12 @@ def stream_handle(stream) -> int:
 
 
 class GraphCache:
-    """Instantiated graphs by key (the decode batch bucket), replayed on one stream."""
+    """Instantiated graphs by key (the decode batch bucket), replayed on one stream.
+    `programmatic`: PDL edges in captured graphs (KernelPlan.pdl; False: edges as captured)."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, programmatic: bool = True):
         self._stream = stream
+        self._programmatic = programmatic
         self._graphs: dict[object, tuple] = {}
         self.programmatic: dict[object, int] = {}  # programmatic edges per graph (pdl.py)
 
@@ -57,9 +59,7 @@ class GraphCache:
             launch()
         finally:
             graph = check(driver.cuStreamEndCapture(h))
-        if PARALLEL_UPLOADS:
-            parallel_uploads(graph)
-        self.programmatic[key] = programmatic_edges(graph) if pdl.ENABLED and pdl_supported() else 0
+        self.programmatic[key] = programmatic_edges(graph) if self._programmatic and pdl_supported() else 0
         exe = check(driver.cuGraphInstantiate(graph, 0))
         self._graphs[key] = (graph, exe)
 
@@ -116,52 +116,6 @@ def programmatic_edges(graph) -> int:
         check(add(graph, [a], [b], [e], 1))
         turned += 1
     return turned
-
-
-# A step's input copies (staging.upload) are captured in stream order: a chain of memcpy
-# nodes, each waiting for the one before, ahead of the first kernel. They touch disjoint
-# buffers, so the chain can be a fan: every copy a root with an edge into what followed the
-# chain; their host round trips then overlap instead of adding up (~2 us each, ~6 a step, at
-# the head of every step's critical path). Unmeasured (no GPU in the tenth session): off.
-PARALLEL_UPLOADS = False
-
-
-def _nodes(fn, node) -> list:
-    """A node's dependencies or dependents (`fn`: cuGraphNodeGetDependencies / ...Dependent Nodes)."""
-    res = check(fn(node, 0))
-    count = res[-1]
-    if not count:
-        return []
-    return list(check(fn(node, count))[0][:count])
-
-
-def _is_memcpy(node) -> bool:
-    return check(driver.cuGraphNodeGetType(node)) == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY
-
-
-def parallel_uploads(graph) -> int:
-    """Turn the chain of memcpy nodes a captured graph starts with into a fan (PARALLEL_UPLOADS);
-    returns how many copies left the chain."""
-    _, add, remove = _edges_api()
-    roots = check(driver.cuGraphGetRootNodes(graph, 0))[-1]
-    roots = list(check(driver.cuGraphGetRootNodes(graph, roots))[0][:roots]) if roots else []
-    if len(roots) != 1 or not _is_memcpy(roots[0]):
-        return 0
-    chain = [roots[0]]
-    while True:
-        nxt = _nodes(driver.cuGraphNodeGetDependentNodes, chain[-1])
-        if len(nxt) != 1 or not _is_memcpy(nxt[0]) or len(_nodes(driver.cuGraphNodeGetDependencies, nxt[0])) != 1:
-            break
-        chain.append(nxt[0])
-    after = _nodes(driver.cuGraphNodeGetDependentNodes, chain[-1])
-    if len(chain) < 2 or not after:
-        return 0
-    edge = driver.CUgraphEdgeData()  # the default dependency type
-    for a, b in zip(chain, chain[1:]):
-        check(remove(graph, [a], [b], [edge], 1))
-        for c in after:
-            check(add(graph, [a], [c], [edge], 1))
-    return len(chain) - 1
 
 
 def memcpy_htod(dst_dev, src_host, nbytes: int, stream) -> None:

@@ -12,7 +12,7 @@ import functools
 import numpy as np
 from numba import cuda, types
 
-from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 
 THREADS = 32 if SIMULATOR else 256
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ninfer.gpu.cuda.quant_layout import random_stored
+from ninfer.gpu.cuda.kernels.quant_layout import random_stored
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights, StoredTensor
 

@@ -23,17 +23,12 @@ from ninfer.gpu.cuda import pages
 from ninfer.gpu.cuda.buffers import MIRRORS, Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
-from ninfer.gpu.cuda.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.plan import KernelPlan
 from ninfer.gpu.cuda.staging import (
     Piece, Staged, download, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
 )
-from ninfer.gpu.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed, with_tokens
-
-
-# The step's input copies and the sampled tokens' copy back go inside the captured graph (one
-# graph launch and one synchronisation a decode step on the host); False: issued around it, for
-# A/B timing (profile --variant; graphs are keyed without it: drop them when switching).
-COPIES_IN_GRAPH = True
+from ninfer.core.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed, with_tokens
 
 
 class _Sub:
@@ -66,15 +61,17 @@ class CudaRunner:
         split_len: int | None = None,
         sampler_threads: int | None = None,
         progress: bool = False,
+        plan: KernelPlan | None = None,
     ):
         """`activations`: 'f32' (default) runs the decode linears on float activations (logits
         within ~1e-3 of the reference); 'q8' on int8 activations with dp4a, llama.cpp's
         scheme (fewer instructions, logits a few percent off). Prefill (more than 8 tokens)
         always uses the f16 tensor-core GEMM. `max_context` (default the model's) sizes the
-        page tables, RoPE tables and attention scratch; longer positions are rejected."""
-        from ninfer.gpu.reference import _spec_and_weights, rope_angles
+        page tables, RoPE tables and attention scratch; longer positions are rejected. `plan`:
+        the kernel choices (default `KernelPlan()`, the measured defaults)."""
+        from ninfer.gpu.reference import rope_angles, spec_and_weights
 
-        spec, weights = _spec_and_weights(model)
+        spec, weights = spec_and_weights(model)
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
         if activations not in ("q8", "f32"):
@@ -106,23 +103,34 @@ class CudaRunner:
         cos, sin = rope_angles(spec, np.arange(self.max_context))
         self._cos = cuda.to_device(np.ascontiguousarray(cos), stream=self.stream)
         self._sin = cuda.to_device(np.ascontiguousarray(sin), stream=self.stream)
-        threads = sampler_threads or (64 if SIMULATOR else 512)
-        self.forward = Forward(spec, self.model, self.bufs, self.k_pool, self.v_pool, self._cos, self._sin,
-                               q8=activations == "q8", split_len=split_len, sampler_threads=threads)  # fmt: skip
+        self._forward_args = dict(q8=activations == "q8", split_len=split_len,
+                                  sampler_threads=sampler_threads or (64 if SIMULATOR else 512))  # fmt: skip
         # Graph buckets pad batches to fixed shapes; the simulator pads too (no graphs there),
         # so the padding itself is tested without a GPU.
         self.use_graphs = use_graphs
         self._graphs = None
-        if use_graphs and not SIMULATOR:
-            from ninfer.gpu.cuda.graphs import GraphCache
-
-            self._graphs = GraphCache(self.stream)
+        self.set_plan(plan or KernelPlan())
         self._warm: set[int] = set()
         self._events = [cuda.event() if SIMULATOR else cuda.event(timing=False) for _ in range(MIRRORS)]
         self._owners: list[_Sub | None] = [None] * MIRRORS  # the sub-step each mirror set last took
         self._next_mirror = 0
         self._last: Pending | None = None  # the last submitted step (its rows and sub-steps), for `feed`
         self.stream.synchronize()
+
+    def set_plan(self, plan: KernelPlan) -> None:
+        """Launch later steps' kernels as `plan` chooses them (A/B timing: tools/profile.py);
+        every captured graph is dropped and captured anew. Call between steps."""
+        self.stream.synchronize()
+        self.plan = plan
+        self.forward = Forward(self.spec, self.model, self.bufs, self.k_pool, self.v_pool, self._cos, self._sin, plan=plan,
+                               **self._forward_args)  # fmt: skip
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
+        if self.use_graphs and not SIMULATOR:
+            from ninfer.gpu.cuda.graphs import GraphCache
+
+            self._graphs = GraphCache(self.stream, programmatic=plan.pdl)
 
     # -- Runner protocol ------------------------------------------------------------------------
 
@@ -168,6 +176,34 @@ class CudaRunner:
                 if token is not None:
                     results[piece.row] = token
         return results
+
+    def warm_up(self, *, max_rows: int, max_context: int | None = None, progress: bool = False) -> int:
+        """Compile every kernel and capture every graph a server with `max_rows` lanes and
+        `max_context` can need: decode steps (each row bucket x context bucket, fed by the step
+        before and not) and prefill / mixed steps (each row bucket x token bucket). Writes
+        garbage K/V into the first pages: call before any request. Returns the shapes run."""
+        shapes = _warm_shapes(self, max_rows, max_context or self.max_context)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(shapes), desc="compiling kernels, capturing graphs", unit="shape")
+        for kind, num_rows, length in shapes:
+            if kind == "decode":  # one token a row, at context `length`; then the same fed
+                first = _warm_rows(num_rows, [1] * num_rows, length - 2, self.page_size)
+                pending = self.submit(first)
+                self.collect(self.submit(_warm_rows(num_rows, [1] * num_rows, length - 1, self.page_size), feed=True))
+                self.collect(pending)
+            else:  # `length` tokens over the rows, from position 0
+                counts = [length // num_rows + (i < length % num_rows) for i in range(num_rows)]
+                self.collect(self.submit(_warm_rows(num_rows, counts, 0, self.page_size)))
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()
+        self._last = None
+        self.stream.synchronize()
+        return len(shapes)
 
     def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
         """Copy the pages' KV to pinned host memory: (k, v) [layers, n, page_size, kv_heads, head_dim].
@@ -240,7 +276,7 @@ class CudaRunner:
         splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
                         decode=decode, num_tiles=staged.num_tiles, num_splits=splits, feed=feed)  # fmt: skip
-        copies = COPIES_IN_GRAPH
+        copies = self.plan.copies_in_graph
 
         def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
             if copies:
@@ -336,6 +372,37 @@ def _zeros(shape, dtype, stream):
     arr = cuda.device_array(shape, dtype=dtype, stream=stream)
     check(driver.cuMemsetD8Async(arr.__cuda_array_interface__["data"][0], 0, arr.nbytes, stream_handle(stream)))
     return arr
+
+
+def _warm_shapes(runner: CudaRunner, max_rows: int, max_context: int) -> list[tuple[str, int, int]]:
+    """(kind, rows, context or tokens) of one step per graph key `runner` can be asked for."""
+    top_rows = _bucket(min(max_rows, runner.limits.max_rows), runner.limits.max_rows)
+    row_buckets = [1 << i for i in range(top_rows.bit_length())]
+    room = runner.num_pages * runner.page_size  # warm rows share pages: one row's context at most
+    top_context = min(max_context, runner.max_context, room)
+    # a decode step's context bucket is that of its longest row (see _graph_key)
+    contexts = {min(max(64, 1 << (n - 1).bit_length()), runner.max_context) for n in range(3, top_context + 1)}
+    top_tokens = min(runner.limits.max_tokens, room)
+    tokens = {_token_bucket(n) for n in range(2, top_tokens + 1)}
+    shapes = [("decode", r, min(ctx, top_context)) for r in row_buckets for ctx in sorted(contexts)]
+    for r in row_buckets:  # n rows in bucket r, t tokens (n < t: some row has several), at most top_context a row
+        for t in sorted({min(t, top_tokens) for t in tokens}):
+            n = r if t > r else r - 1
+            if n > r // 2 and n < t <= n * top_context:
+                shapes.append(("prefill", n, t))
+    return shapes
+
+
+def _warm_rows(num_rows: int, counts: list[int], start_pos: int, page_size: int) -> list[StepRow]:
+    from ninfer.core.params import SamplingParams
+    from ninfer.core.runner import SampleSpec
+
+    spec = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=0)
+    return [
+        StepRow(seq_id=i, token_ids=np.zeros(n, np.int32), start_pos=start_pos,
+                page_table=np.arange(-(-(start_pos + n) // page_size), dtype=np.int32), sample=spec)
+        for i, n in enumerate(counts)
+    ]  # fmt: skip
 
 
 def _bucket(n: int, max_rows: int) -> int:

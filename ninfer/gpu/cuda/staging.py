@@ -12,11 +12,12 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ninfer.gpu.cuda.attention import plan_tiles
+from ninfer.gpu.cuda.kernels.attn_prefill import plan_tiles
 from ninfer.gpu.cuda.buffers import MAX_PENALTY_ENTRIES, StepBuffers
-from ninfer.gpu.cuda.intrinsics import SIMULATOR
-from ninfer.gpu.cuda.sampler import pack_mask, penalty_entries
-from ninfer.gpu.runner import MAX_TOP_LOGPROBS, SampledToken, StepRow
+from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.kernels.sampler import pack_mask, penalty_entries
+from ninfer.core.params import MAX_TOP_LOGPROBS
+from ninfer.core.runner import SampledToken, StepRow
 
 _MASK64 = (1 << 64) - 1
 
@@ -118,7 +119,7 @@ def stage_inputs(bufs: StepBuffers, rows, batch: list[Piece], page_size: int, nu
 
 def tile_grid(num_tokens: int, num_rows: int) -> int:
     """Prefill-attention tiles a bucket launches: enough for any split of its tokens."""
-    from ninfer.gpu.cuda.attention import TQ
+    from ninfer.gpu.cuda.kernels.attn_prefill import TQ
 
     return num_tokens // TQ + num_rows
 

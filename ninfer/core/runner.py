@@ -1,0 +1,179 @@
+"""The `Runner` protocol: the one interface between the scheduler and a compute backend.
+
+Backends (`ninfer.gpu`) implement it; the scheduler and the prefix cache use it, so it lives in
+`ninfer.core`, numba-free. A runner owns the model's weights and the KV page storage;
+`ninfer.cache` decides which page ids a sequence holds.
+
+One `step` call processes a batch of rows. Each row is one sequence's new tokens: a prefill
+chunk (many tokens) or a single decode token, at absolute positions
+`start_pos .. start_pos + len(token_ids) - 1`. The runner writes their K/V into the row's
+pages (`page_table[p // page_size]` holds position p) and attends over positions
+`0 .. start_pos + len(token_ids) - 1`. Rows whose `sample` is set get one token sampled from the
+logits at their last position; other rows (non-final prefill chunks) return None.
+
+Sampling randomness is a pure function of (seed, token_index), so a seeded request produces the
+same tokens alone, in any batch, and after pause / replay.
+
+A step can also be submitted now and collected later (`submit` / `collect`), and a decode step
+can take its input tokens from the samples of the step submitted before it (`feed`) without
+the host reading them: a runner that computes in the background (`pipelined`) then lets the
+scheduler queue step N + 1 before it has read step N's tokens, so the GPU does not wait for
+the host between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from ninfer.core.params import MAX_TOP_LOGPROBS, SamplingParams, in_range
+from ninfer.models.spec import ModelSpec
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SampleSpec:
+    """What to sample at a row's last position.
+
+    Penalties: presence / frequency apply over `output_ids` (tokens generated so far);
+    repetition applies over prompt and output (`prompt_ids` + `output_ids`), as in vLLM.
+    `allowed` is a bool mask over the vocabulary from a grammar (None = unconstrained).
+    Log-probabilities are of the raw model distribution (log_softmax of the logits, before
+    temperature, penalties or masks).
+    """
+
+    params: SamplingParams
+    seed: int
+    token_index: int  # index of the token being sampled among the request's outputs
+    prompt_ids: np.ndarray | None = None
+    output_ids: np.ndarray | None = None
+    allowed: np.ndarray | None = None
+    num_top_logprobs: int = attrs.field(default=0, validator=in_range(0, MAX_TOP_LOGPROBS))
+    want_logits: bool = False  # return the raw float32 logits row (tests, scoring)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StepRow:
+    seq_id: int
+    token_ids: np.ndarray  # int32 [n], n >= 1
+    start_pos: int
+    page_table: np.ndarray  # int32 page ids covering positions 0 .. start_pos + n - 1
+    sample: SampleSpec | None = None
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SampledToken:
+    token_id: int
+    logprob: float  # log-probability of token_id under the raw distribution
+    top_ids: np.ndarray | None = None  # int32 [k], best first
+    top_logprobs: np.ndarray | None = None  # float32 [k]
+    logits: np.ndarray | None = None  # float32 [vocab] when SampleSpec.want_logits
+
+
+@attrs.frozen(eq=False)
+class PageSnapshot:
+    """KV contents of some pages, copied to host memory (opaque to the scheduler)."""
+
+    arrays: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays)
+
+
+@attrs.define(eq=False)
+class Pending:
+    """A submitted step; `Runner.collect` turns it into the step's results."""
+
+    rows: Sequence[StepRow]
+    state: object = None  # the runner's own: the launched sub-steps, or a synchronous runner's results
+
+
+def next_position(row: StepRow) -> int:
+    """Position of the token a row samples: its sequence's next input."""
+    return row.start_pos + len(row.token_ids)
+
+
+def with_tokens(rows: Sequence[StepRow], sampled: Sequence[SampledToken]) -> list[StepRow]:
+    """Fed rows made host-fed: each row's one token is the matching sampled token."""
+    return [attrs.evolve(row, token_ids=np.array([tok.token_id], np.int32))
+            for row, tok in zip(rows, sampled, strict=True)]  # fmt: skip
+
+
+def check_feed(previous: Sequence[StepRow] | None, rows: Sequence[StepRow]) -> None:
+    """Raise ValueError unless `rows` can take their tokens from the samples of `previous` (the
+    step submitted just before): the same sequences in the same order, each sampled there,
+    each now one token at the next position."""
+    if previous is None:
+        raise ValueError("feed needs a step submitted before it")
+    if len(previous) != len(rows):
+        raise ValueError(f"feed needs the previous step's {len(previous)} rows, got {len(rows)}")
+    for prev, row in zip(previous, rows, strict=True):
+        if prev.sample is None or row.seq_id != prev.seq_id or len(row.token_ids) != 1:
+            raise ValueError(f"sequence {row.seq_id}: feed needs one token per row, sampled by the step before")
+        if row.start_pos != next_position(prev):
+            raise ValueError(f"sequence {row.seq_id}: feed needs position {next_position(prev)}, got {row.start_pos}")
+
+
+class SyncSubmit:
+    """`step` / `submit` / `collect` for runners that compute synchronously in `_step(rows)`
+    (nothing runs behind the caller's back, so submitting ahead saves nothing: `pipelined` is
+    False unless set, which tests do to run the scheduler's pipelined path on them)."""
+
+    pipelined = False
+    _last: tuple | None = None  # (rows, results) of the last step, for `feed`
+
+    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """Run one forward over the batch; one result per row, None where row.sample is None."""
+        return self.collect(self.submit(rows))
+
+    def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
+        if feed:
+            check_feed(self._last[0] if self._last else None, rows)
+            rows = with_tokens(rows, self._last[1])
+        results = self._step(rows)
+        self._last = (rows, results)
+        return Pending(rows, results)
+
+    def collect(self, pending: Pending) -> list[SampledToken | None]:
+        return pending.state
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """A compute backend: the numpy reference or the numba.cuda one."""
+
+    spec: ModelSpec
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages in the pool; ids are 0 .. num_pages - 1
+    pipelined: bool  # submit returns before the step is done (worth submitting one step ahead)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes one page holds over all layers (K and V)."""
+
+    def step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
+        """Run one forward over the batch; one result per row, None where row.sample is None."""
+
+    def submit(self, rows: Sequence[StepRow], *, feed: bool = False) -> Pending:
+        """Start a step; `collect` waits for its results. A runner that computes in the
+        background (`pipelined`) returns at once, so the caller can submit the next step while
+        this one runs. feed=True: the rows continue the previous submitted step's rows (see
+        `check_feed`), each taking the token sampled there as its input (token_ids ignored)."""
+
+    def collect(self, pending: Pending) -> list[SampledToken | None]:
+        """The results of a submitted step (each step collected once, in submission order)."""
+
+    def snapshot_pages(self, page_ids: Sequence[int]) -> PageSnapshot:
+        """Copy the pages' KV to host memory."""
+
+    def restore_pages(self, page_ids: Sequence[int], snapshot: PageSnapshot) -> None:
+        """Write a snapshot back into (possibly different) pages, in the same order."""
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Device-side page copy (copy-on-write of a shared tail page)."""
+
+    def close(self) -> None:
+        """Release device memory and threads."""

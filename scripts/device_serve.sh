@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Run THERE (the GPU machine), in the repository root: the served path, end to end.
+#   scripts/device_serve.sh STAGES
+# STAGES (comma-separated):
+#   setup   install the carried wheels (.whl/serve, made here by `scripts/device_prepare.sh serve`)
+#           and join the model parts (.stage/smollm2.part00..02 + .stage/smollm2.sha256, carried
+#           over consecutive calls: one call carries at most 64 MiB)
+#   serve   `ninfer serve` (this tree, default flags; SERVE_FLAGS adds some) driven by
+#           `ninfer bench serve` at 1,4,16,64 streams, 256 tokens each, two passes (cold, steady)
+#   base    the same against the tree in .stage/base.tar.gz (an earlier commit; BASE_FLAGS)
+#   prefix  the shared-prefix load: a ~2,000-token system prompt, ~150 new tokens, 64 out
+#   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
+#   tests   the GPU tests (TESTS: pytest arguments)
+#   bench   `ninfer bench` decode / prefill of this tree and of the base tree
+# Logs and JSON go under $OUT.
+set -uo pipefail
+WHAT=,${1:-setup},
+OUT=${OUT:-/tmp/ninfer-out}
+mkdir -p "$OUT" /tmp/ninfer-stage
+export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+has() { [[ "$WHAT" == *",$1,"* ]]; }
+ROOT=$PWD
+if [ -d .whl/serve ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/serve/*.whl \
+    && touch /tmp/site/.done || { echo "wheel install failed"; exit 1; }
+fi
+cp -n .stage/smollm2.* /tmp/ninfer-stage/ 2>/dev/null || true
+GGUF=/tmp/ninfer-stage/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$GGUF" ] && ls /tmp/ninfer-stage/smollm2.part02 /tmp/ninfer-stage/smollm2.sha256 >/dev/null 2>&1; then
+  cat /tmp/ninfer-stage/smollm2.part0[0-2] > "$GGUF"
+  [ "$(sha256sum "$GGUF" | awk '{print $1}')" = "$(cat /tmp/ninfer-stage/smollm2.sha256)" ] || { echo "model checksum mismatch"; rm -f "$GGUF"; }
+fi
+[ -f "$GGUF" ] && export NINFER_TEST_GGUF=$GGUF
+if [ -f .stage/base.tar.gz ] && [ ! -d /tmp/base ]; then mkdir -p /tmp/base && tar xzf .stage/base.tar.gz -C /tmp/base; fi
+ninfer() { local tree=$1; shift; PYTHONPATH=/tmp/site:$tree python3 -m ninfer.cli.main "$@"; }
+
+# serve_and_bench LABEL TREE "SERVE FLAGS" BENCH ARGS...: start, wait for /health, bench, stop
+serve_and_bench() {
+  local label=$1 tree=$2 flags=$3; shift 3
+  local port=$((8100 + RANDOM % 800)) t0=$(date +%s.%N)
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec python3 -m ninfer.cli.main serve "$GGUF" --port $port \
+     --max-concurrency 64 $flags > "$OUT/serve_$label.log" 2>&1) &
+  local pid=$!
+  for _ in $(seq 600); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$port/health)" = 200 ] && break
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "$label: ready after $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$OUT/ready.txt"
+  ninfer "$ROOT" bench serve --url http://127.0.0.1:$port --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
+    | sed "s/^/$label /" | tee -a "$OUT/served.txt"
+  kill -INT $pid 2>/dev/null; sleep 2; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+STREAMS=${STREAMS:-1,4,16,64}
+if has serve; then
+  serve_and_bench new "$ROOT" "${SERVE_FLAGS:-}" --concurrency $STREAMS --output-tokens 256 --passes 2
+fi
+if has base; then
+  serve_and_bench base /tmp/base "${BASE_FLAGS:---activations q8}" --concurrency $STREAMS --output-tokens 256 --passes 2 --no-ignore-eos
+fi
+if has prefix; then
+  serve_and_bench prefix "$ROOT" "${SERVE_FLAGS:-}" --concurrency ${PREFIX_STREAMS:-16,64} --shared-prefix-tokens 2000 \
+    --prompt-tokens 150 --output-tokens 64 --passes 3
+fi
+if has host; then
+  for tree in "$ROOT" /tmp/base; do
+    port=$((8100 + RANDOM % 800))
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec python3 "$ROOT/scripts/serve_host_path.py" --port $port --step-ms ${STEP_MS:-2}) > "$OUT/host_$(basename $tree).log" 2>&1 &
+    pid=$!
+    for _ in $(seq 120); do curl -s localhost:$port/health >/dev/null && break; sleep 0.5; done
+    ninfer "$ROOT" bench serve --url http://127.0.0.1:$port --concurrency 1,16,64 --output-tokens 256 --passes 1 \
+      --no-ignore-eos 2>/dev/null | sed "s/^/host-$(basename $tree) /" | tee -a "$OUT/host.txt"
+    kill -9 $pid; wait $pid 2>/dev/null
+  done
+fi
+if has tests; then
+  PYTHONPATH=/tmp/site:$ROOT timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_gpu_quality.py} 2>&1 \
+    | tail -n 60 | tee "$OUT/tests.txt"
+fi
+if has bench; then
+  for tree in /tmp/base "$ROOT"; do
+    (cd "$tree" && ninfer "$tree" bench "$GGUF" --activations q8 --streams 1,16,64 --prompt-lens 512 2>&1 | tail -n 12) \
+      | sed "s/^/$(basename $tree) /" | tee -a "$OUT/bench.txt"
+  done
+fi

@@ -1,0 +1,57 @@
+"""A reader that falls behind gets the tokens it has not taken coalesced: nothing lost, nothing
+duplicated, order kept. Real model (SmolLM2 on the reference backend), real engine and service."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from ninfer.protocols.calls import CallFinished, CallStarted, CompletionCall, SamplingOptions, TextDelta
+from ninfer.runtime import RuntimeOptions, open_runtime
+from ninfer.sched.config import EngineConfig
+from ninfer.server.service import collect, open_service
+
+CALL = CompletionCall(prompt="Once upon a time, in a small village,", max_tokens=12, ignore_eos=True,
+                      sampling=SamplingOptions(temperature=0.0), logprobs=True, top_logprobs=1)  # fmt: skip
+
+
+async def _events(stream) -> list:
+    events = []
+    async with stream:
+        async for event in stream:
+            events.append(event)
+    return events
+
+
+async def test_a_reader_that_falls_behind_gets_one_coalesced_frame(smollm2):
+    config = EngineConfig(max_context=128, kv_capacity=512, max_concurrency=2)
+    async with open_runtime(smollm2, RuntimeOptions(backend="reference"), config) as (engine, _, _):
+        async with open_service(engine, smollm2, max_context=128) as service:
+            prompt_reader = await collect(await service.start_completion(CALL))
+
+            slow = await service.start_completion(CALL)
+            while engine.statistics().num_generated_tokens < 2 * CALL.max_tokens:
+                await trio.sleep(0.02)  # the whole answer is generated before the reader looks
+            events = await _events(slow)
+
+    assert [type(e) for e in events] == [CallStarted, TextDelta, CallFinished]
+    [delta] = [e for e in events if isinstance(e, TextDelta)]
+    assert delta.text == prompt_reader.text
+    assert delta.token_ids == prompt_reader.token_ids and len(delta.token_ids) == CALL.max_tokens
+    assert [lp.token_id for lp in delta.logprobs] == list(prompt_reader.token_ids)
+    # (the second run reads the prompt from the prefix cache: the same values up to rounding)
+    assert [lp.logprob for lp in delta.logprobs] == pytest.approx([lp.logprob for lp in prompt_reader.logprobs], abs=1e-4)
+    assert events[-1].usage.completion_tokens == CALL.max_tokens
+
+
+async def test_a_prompt_reader_sees_the_same_tokens_in_order(smollm2):
+    """Read as they come (frames of any size): the frames join to the same answer, once each."""
+    config = EngineConfig(max_context=128, kv_capacity=512, max_concurrency=2)
+    async with open_runtime(smollm2, RuntimeOptions(backend="reference"), config) as (engine, _, _):
+        async with open_service(engine, smollm2, max_context=128) as service:
+            whole = await collect(await service.start_completion(CALL))
+            events = await _events(await service.start_completion(CALL))
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas) == whole.text
+    assert tuple(t for d in deltas for t in d.token_ids) == whole.token_ids
+    assert sum(len(d.logprobs) for d in deltas) == CALL.max_tokens
