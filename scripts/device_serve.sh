@@ -37,17 +37,18 @@ ninfer() { local tree=$1; shift; PYTHONPATH=/tmp/site:$tree python3 -m ninfer.cl
 # serve_and_bench LABEL TREE "SERVE FLAGS" BENCH ARGS...: start, wait for /health, bench, stop
 serve_and_bench() {
   local label=$1 tree=$2 flags=$3; shift 3
-  local port=$((8100 + RANDOM % 800)) t0=$(date +%s.%N)
+  local port=$((8100 + RANDOM % 800)) t0=$(date +%s%N)
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec python3 -m ninfer.cli.main serve "$GGUF" --port $port \
      --max-concurrency 64 $flags > "$OUT/serve_$label.log" 2>&1) &
   local pid=$!
-  for _ in $(seq 600); do
+  for _ in $(seq ${READY_S:-300}0); do
     [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$port/health)" = 200 ] && break
     kill -0 $pid 2>/dev/null || break
-    sleep 0.5
+    sleep 0.1
   done
-  echo "$label: ready after $(echo "$(date +%s.%N) - $t0" | bc) s" | tee -a "$OUT/ready.txt"
-  ninfer "$ROOT" bench serve --url http://127.0.0.1:$port --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
+  echo "$label: ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$OUT/ready.txt"
+  PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_SERVE_S:-240} python3 -m ninfer.cli.main bench serve \
+    --url http://127.0.0.1:$port --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
     | sed "s/^/$label /" | tee -a "$OUT/served.txt"
   kill -INT $pid 2>/dev/null; sleep 2; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
 }
@@ -81,7 +82,8 @@ if has tests; then
 fi
 if has bench; then
   for tree in /tmp/base "$ROOT"; do
-    (cd "$tree" && ninfer "$tree" bench "$GGUF" --activations q8 --streams 1,16,64 --prompt-lens 512 2>&1 | tail -n 12) \
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout ${BENCH_S:-150} python3 -m ninfer.cli.main bench "$GGUF" \
+       --activations q8 --streams 1,16,64 --prompt-lens 512 --repeats 3 2>&1 | tail -n 12) \
       | sed "s/^/$(basename $tree) /" | tee -a "$OUT/bench.txt"
   done
 fi

@@ -3,6 +3,8 @@ duplicated, order kept. Real model (SmolLM2 on the reference backend), real engi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 
@@ -55,3 +57,34 @@ async def test_a_prompt_reader_sees_the_same_tokens_in_order(smollm2):
     assert "".join(d.text for d in deltas) == whole.text
     assert tuple(t for d in deltas for t in d.token_ids) == whole.token_ids
     assert sum(len(d.logprobs) for d in deltas) == CALL.max_tokens
+
+
+async def test_paced_frames_gather_the_tokens_of_the_gap(autojump_clock):
+    """With a frame gap (many streams), a token every ms and a 5 ms gap: the first token goes
+    alone at once, later frames carry the tokens of their gap, in order, none lost or repeated."""
+    from ninfer.core.usage import Timings, Usage
+    from ninfer.sched.request import Finished, FinishReason, Started, TokenDelta
+    from ninfer.server.event_stream import EventStream
+
+    send, receive = trio.open_memory_channel(math.inf)
+    stream = EventStream(receive, trio.CancelScope(), request_id="r", keepalive_s=60, parse_tools=False,
+                         new_call_id=lambda: "c", describe_token=lambda t: (str(t), b""), frame_gap=lambda: 0.005)  # fmt: skip
+
+    async def produce():
+        send.send_nowait(Started("r", 3, 0))
+        for i in range(40):
+            await trio.sleep(0.001)
+            send.send_nowait(TokenDelta((i,), f"<{i}>"))
+        send.send_nowait(Finished(FinishReason.LENGTH, Usage(3, 40), Timings(0, 0, 0)))
+
+    frames = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(produce)
+        async for event in stream:
+            frames.append((trio.current_time(), event))
+    deltas = [e for _, e in frames if isinstance(e, TextDelta)]
+    assert "".join(d.text for d in deltas) == "".join(f"<{i}>" for i in range(40))
+    assert [t for d in deltas for t in d.token_ids] == list(range(40))
+    assert len(deltas[0].token_ids) == 1  # the first token is not held
+    assert all(4 <= len(d.token_ids) <= 6 for d in deltas[1:-1])  # ~5 ms of tokens a frame
+    assert isinstance(frames[-1][1], CallFinished)

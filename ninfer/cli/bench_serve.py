@@ -155,13 +155,7 @@ async def post_events(url: str, path: str, payload: dict, headers: dict[str, str
     async with stream:
         await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode() + body)
         reader = _Reader(stream)
-        status_line = await reader.line()
-        fields = {}
-        while line := await reader.line():
-            name, _, value = line.decode("latin-1").partition(":")
-            fields[name.strip().lower()] = value.strip()
-        status = int(status_line.split()[1])
-        chunks = _chunked(reader) if "chunked" in fields.get("transfer-encoding", "") else _raw(reader, fields)
+        status, chunks = await _response(reader)
         if status != 200:
             text = b"".join([c async for c in chunks]).decode("utf-8", "replace")
             raise HttpError(f"HTTP {status}: {text[:300]}")
@@ -174,6 +168,17 @@ async def post_events(url: str, path: str, payload: dict, headers: dict[str, str
                 for line in event.split(b"\n"):
                     if line.startswith(b"data:"):
                         yield now, line[5:].strip()
+
+
+async def _response(reader: _Reader):
+    """(status, body chunks) of a response whose head comes next."""
+    status_line = await reader.line()
+    fields = {}
+    while line := await reader.line():
+        name, _, value = line.decode("latin-1").partition(":")
+        fields[name.strip().lower()] = value.strip()
+    chunks = _chunked(reader) if "chunked" in fields.get("transfer-encoding", "") else _raw(reader, fields)
+    return int(status_line.split()[1]), chunks
 
 
 async def _chunked(reader: _Reader):
@@ -204,16 +209,10 @@ async def get_json(url: str, path: str, headers: dict[str, str]) -> dict:
             *(f"{k}: {v}" for k, v in headers.items())]  # fmt: skip
     async with await trio.open_tcp_stream(host, port) as stream:
         await stream.send_all(("\r\n".join(head) + "\r\n\r\n").encode())
-        reader = _Reader(stream)
-        status_line = await reader.line()
-        fields = {}
-        while line := await reader.line():
-            name, _, value = line.decode("latin-1").partition(":")
-            fields[name.strip().lower()] = value.strip()
-        chunks = _chunked(reader) if "chunked" in fields.get("transfer-encoding", "") else _raw(reader, fields)
+        status, chunks = await _response(_Reader(stream))
         data = b"".join([c async for c in chunks])
-        if int(status_line.split()[1]) != 200:
-            raise HttpError(f"GET {path}: {status_line.decode()} {data[:200]!r}")
+        if status != 200:
+            raise HttpError(f"GET {path}: HTTP {status} {data[:200]!r}")
         return json.loads(data)
 
 

@@ -132,6 +132,11 @@ class Engine:
     def is_healthy(self) -> bool:
         return self._state.is_healthy
 
+    @property
+    def num_running(self) -> int:
+        """Requests generating now (admitted, not paused)."""
+        return len(self._state.running)
+
     def statistics(self) -> EngineStatistics:
         return self._state.statistics(self.config.max_concurrency)
 

@@ -104,7 +104,8 @@ class EventStream:
 
     def __init__(self, receive, scope: trio.CancelScope, *, request_id: str, keepalive_s: float,
                  parse_tools: bool, new_call_id: Callable[[], str],
-                 describe_token: Callable[[int], tuple[str, bytes]]):  # fmt: skip
+                 describe_token: Callable[[int], tuple[str, bytes]],
+                 frame_gap: Callable[[], float] | None = None):  # fmt: skip
         self.request_id = request_id
         self._receive = receive
         self._scope = scope
@@ -116,6 +117,8 @@ class EventStream:
         self._num_calls = 0
         self._is_done = False
         self._failure: _Failure | None = None  # raised once the events before it are taken
+        self._frame_gap = frame_gap  # seconds to hold text after a text frame (many streams)
+        self._hold_until_s = 0.0
 
     async def __aenter__(self) -> EventStream:
         return self
@@ -133,6 +136,11 @@ class EventStream:
                 raise failure.error
             if self._is_done:
                 raise StopAsyncIteration
+            if self._hold_until_s > trio.current_time():
+                await trio.sleep_until(self._hold_until_s)  # tokens gather meanwhile: one frame for them
+                self._hold_until_s = 0.0
+                self._take_ready()
+                continue
             with trio.move_on_after(self._keepalive_s):
                 try:
                     item = await self._receive.receive()
@@ -143,7 +151,12 @@ class EventStream:
                 self._take_ready()
                 continue
             return Idle()
-        return self._pending.popleft()
+        event = self._pending.popleft()
+        if isinstance(event, TextDelta) and self._frame_gap is not None and not self._is_done:
+            gap = self._frame_gap()
+            if gap > 0:
+                self._hold_until_s = trio.current_time() + gap
+        return event
 
     def _take_ready(self) -> None:
         """Convert every event already waiting, so that text a slow reader has not taken yet
