@@ -11,7 +11,8 @@
 #   prefix  the shared-prefix load: a ~2,000-token system prompt, ~150 new tokens, 64 out
 #   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
 #   tests   the GPU tests (TESTS: pytest arguments)
-#   bench   `ninfer bench` decode / prefill of this tree and of the base tree
+#   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
+#           staged GGUF; `--random smollm2-135m` needs no model file)
 # Logs and JSON go under $OUT.
 set -uo pipefail
 WHAT=,${1:-setup},
@@ -82,8 +83,8 @@ if has tests; then
 fi
 if has bench; then
   for tree in /tmp/base "$ROOT"; do
-    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout ${BENCH_S:-150} python3 -m ninfer.cli.main bench "$GGUF" \
-       --activations q8 --streams 1,16,64 --prompt-lens 512 --repeats 3 2>&1 | tail -n 12) \
+    (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout ${BENCH_S:-150} python3 -m ninfer.cli.main bench ${BENCH_MODEL:-$GGUF} \
+       --activations q8 --streams ${BENCH_STREAMS:-1,16,64} --prompt-lens 512 --repeats ${BENCH_REPEATS:-3} 2>&1 | tail -n 12) \
       | sed "s/^/$(basename $tree) /" | tee -a "$OUT/bench.txt"
   done
 fi
