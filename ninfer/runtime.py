@@ -45,6 +45,7 @@ class RuntimeOptions:
     activations: str = attrs.field(default="q8", validator=_one_of("--activations", ACTIVATIONS))
     max_batch_rows: int = 64
     max_tokens_per_step: int = 4096  # CUDA: tokens one forward's buffers hold (longer prefills split)
+    kernel_cache: bool = True  # CUDA: keep compiled kernels on disk (models.registry.kernel_cache_dir)
 
 
 def parse_kv_capacity(text: str) -> int | None:
@@ -100,6 +101,7 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
     if backend == "cuda":
         from ninfer.gpu.cuda.runner import CudaRunner
 
+        use_kernel_cache(options.kernel_cache)
         runner = CudaRunner(
             model, num_pages=num_pages, page_size=config.page_size, max_batch_rows=options.max_batch_rows,
             max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
@@ -112,6 +114,26 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
         limit_blas_threads()
         runner = ReferenceRunner(model, num_pages=num_pages, page_size=config.page_size)
     return runner, backend, config
+
+
+def use_kernel_cache(enabled: bool = True):
+    """CUDA: compiled kernels go to (and come from) the on-disk cache from now on, or stay in
+    memory only; the store (its `stats` count hits and misses), or None."""
+    from ninfer.gpu.cuda.kernels.jit import use_disk_cache
+    from ninfer.models.registry import kernel_cache_dir
+
+    return use_disk_cache(kernel_cache_dir() if enabled else None)
+
+
+def kernel_cache_summary() -> str:
+    """One line on the kernel disk cache's use so far in this process."""
+    from ninfer.gpu.cuda.kernels.jit import current_store
+
+    store = current_store()
+    if store is None:
+        return "kernel cache off"
+    stats = store.stats
+    return f"{stats['hits']} kernels loaded from {store.directory}, {stats['saves']} compiled and saved"
 
 
 def warm_up(runner: Runner, backend: str, config: EngineConfig, *, progress: bool = False) -> float | None:

@@ -115,7 +115,7 @@ def _model(args):
 
 
 def _runner(model, args):
-    from ninfer.runtime import resolve_backend
+    from ninfer.runtime import resolve_backend, use_kernel_cache
 
     spec = model.spec if hasattr(model, "spec") else model[0]
     backend = resolve_backend(args.backend)
@@ -127,6 +127,7 @@ def _runner(model, args):
     if backend == "cuda":
         from ninfer.gpu.cuda.runner import CudaRunner
 
+        use_kernel_cache(args.kernel_cache)
         runner = CudaRunner(model, num_pages=num_pages, page_size=args.page_size, max_batch_rows=max_streams,
                             max_tokens_per_step=max(max(args.prompt_lens), args.decode_prompt * max_streams),
                             max_context=max_context, activations=args.activations, use_graphs=not args.no_graphs,

@@ -86,6 +86,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = 
                        help=f"longest prompt + answer in tokens (default: the model's, at most {DEFAULT_CONTEXT_CAP})")
     group.add_argument("--page-size", type=positive_int, default=page_size, metavar="TOKENS",
                        help=f"tokens per KV page (default: {page_size})")
+    group.add_argument("--kernel-cache", action=argparse.BooleanOptionalAction,
+                       default=default_of(RuntimeOptions, "kernel_cache"),
+                       help="CUDA: keep compiled kernels in the user cache directory ($NINFER_CACHE_DIR/kernels "
+                       "when set), so a restart on the same GPU and version loads them in seconds instead of "
+                       "compiling for a minute (default: on)")
     if activations:
         default = default_of(RuntimeOptions, "activations")
         group.add_argument("--activations", choices=ACTIVATIONS, default=default,
@@ -98,7 +103,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     """The runtime group's backend and activations (--activations only where the command has it)."""
     return RuntimeOptions(
-        backend=args.backend, activations=getattr(args, "activations", default_of(RuntimeOptions, "activations"))
+        backend=args.backend, activations=getattr(args, "activations", default_of(RuntimeOptions, "activations")),
+        kernel_cache=args.kernel_cache,
     )
 
 

@@ -59,14 +59,25 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 }
 
 
-def cache_dir() -> Path:
-    """Where pulled models live: `$NINFER_CACHE_DIR/models`, else the user cache's `ninfer/models`."""
+def cache_root() -> Path:
+    """ninfer's cache: `$NINFER_CACHE_DIR`, else the user cache directory's `ninfer`."""
     root = os.environ.get("NINFER_CACHE_DIR")
     if not root:
         from platformdirs import user_cache_dir
 
         root = user_cache_dir("ninfer")
-    return Path(root).expanduser() / "models"
+    return Path(root).expanduser()
+
+
+def cache_dir() -> Path:
+    """Where pulled models live: `cache_root()/models`."""
+    return cache_root() / "models"
+
+
+def kernel_cache_dir() -> Path:
+    """Where compiled CUDA kernels live: `cache_root()/kernels` (one folder a GPU architecture
+    and code version)."""
+    return cache_root() / "kernels"
 
 
 def known_model(name: str) -> KnownModel:

@@ -7,12 +7,11 @@ contiguous [layers, n, page_elems] staging array (snapshots to pinned host memor
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import cuda, types
 
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
+from ninfer.gpu.cuda.kernels.jit import compiled
 
 THREADS = 32 if SIMULATOR else 256
 
@@ -38,7 +37,7 @@ def page_scatter_fn(stage, ids, pool):
         pool[layer, ids[i], e] = stage[layer, i, e]
 
 
-@functools.cache
+@compiled
 def _kernel(name):
     return cuda.jit({"copy": page_copy_fn, "gather": page_gather_fn, "scatter": page_scatter_fn}[name])
 

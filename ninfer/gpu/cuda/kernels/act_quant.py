@@ -15,6 +15,7 @@ from numba import cuda, float32, int32
 from ninfer.gpu.cuda.kernels.intrinsics import (
     SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_max, group_sum, warp_max, warp_sum,
 )
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 
 
@@ -100,13 +101,13 @@ def make_quantize_rows(threads: int = THREADS):
     return quantize_rows
 
 
-_QUANTIZE = {}
+@compiled
+def quantize_rows_kernel(threads: int):
+    return cuda.jit(make_quantize_rows(threads))
 
 
 def quantize_rows(x, xq8, xs, num_rows, num_cols, stream=0, threads=THREADS) -> None:
-    if threads not in _QUANTIZE:
-        _QUANTIZE[threads] = cuda.jit(make_quantize_rows(threads))
-    _QUANTIZE[threads][num_rows, threads, stream](x, xq8, xs, num_cols)
+    quantize_rows_kernel(threads)[num_rows, threads, stream](x, xq8, xs, num_cols)
 
 
 def ptx_cases():

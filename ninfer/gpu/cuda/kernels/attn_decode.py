@@ -16,7 +16,6 @@ numpy oracle of every attention kernel (decode and prefill).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -26,6 +25,7 @@ from ninfer.gpu.cuda.kernels.act_quant import store_q8
 from ninfer.gpu.cuda.kernels.intrinsics import (
     SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_sum, ld8_pinned, ld_f32_cg, shfl_xor, warp_sum,
 )
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 
 DECODE_THREADS = 128
@@ -207,12 +207,12 @@ def make_attn_combine(head_dim: int, split_len: int, mode: str):
     return attn_combine
 
 
-@functools.cache
+@compiled
 def attn_decode_kernel(head_dim, group, split_len, ch=0):
     return cuda.jit(make_attn_decode(head_dim, group, split_len, ch=ch))
 
 
-@functools.cache
+@compiled
 def attn_combine_kernel(head_dim, split_len, mode):
     return cuda.jit(make_attn_combine(head_dim, split_len, mode))
 
@@ -417,7 +417,7 @@ def make_attn_decode_one(head_dim: int, group: int, mode: str, warps: int = ONE_
     return attn_decode_one
 
 
-@functools.cache
+@compiled
 def attn_decode_one_kernel(head_dim, group, mode, warps, ch):
     fn = make_attn_decode_one(head_dim, group, mode, warps, ch)
     # launch bounds: 16 warps must fit 128 registers a thread (8 warps fit without a cap)

@@ -7,7 +7,6 @@ the partials merge in attn_decode.attn_combine. `use_lp` says which graph bucket
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -20,6 +19,7 @@ from ninfer.gpu.cuda.kernels.intrinsics import (
     device, grid_dep_launch, grid_dep_wait, ld4_f32_pinned, ld8, ld8_cg, ld8_pinned, shfl_xor, st8_f32, warp_max,
     warp_sum,
 )
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 from ninfer.gpu.cuda.plan import DEFAULT, KernelPlan
 
@@ -275,7 +275,7 @@ def make_attn_decode_lp(head_dim: int, group: int, preload: bool = False, page_s
     return attn_decode_lp
 
 
-@functools.cache
+@compiled
 def attn_decode_lp_kernel(head_dim, group, preload=False, page_size=16, cols=None):
     return cuda.jit(make_attn_decode_lp(head_dim, group, preload, page_size, cols))
 

@@ -9,7 +9,6 @@ included), causal per query. The oracle is attn_decode.attention_ref.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -17,6 +16,7 @@ from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.kernels.attn_decode import NEG_BIG
 from ninfer.gpu.cuda.kernels.intrinsics import group_max, group_sum
+from ninfer.gpu.cuda.kernels.jit import compiled
 
 TQ = 64  # queries per tile (flash.py's block; this kernel takes a tile in SUB_TQ-query blocks)
 SUB_TQ = 16  # queries per block of the SIMT kernel
@@ -112,7 +112,7 @@ def make_attn_prefill(head_dim: int):
     return attn_prefill
 
 
-@functools.cache
+@compiled
 def attn_prefill_kernel(head_dim):
     if head_dim > 128:
         raise ValueError(f"the prefill attention kernel supports head_dim up to 128, got {head_dim}")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import cuda, types
 
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR, grid_dep_launch, grid_dep_wait
 from ninfer.gpu.cuda.kernels.dequant import DQ_WORD
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 
 THREADS = 32 if SIMULATOR else 128
@@ -34,7 +33,7 @@ def make_embed(qtype: str):
     return embed
 
 
-@functools.cache
+@compiled
 def embed_kernel(qtype: str):
     return cuda.jit(make_embed(qtype))
 

@@ -18,7 +18,6 @@ exact SIMT kernel in attn_prefill.py. Scores and the running softmax are float32
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -26,6 +25,7 @@ from numba import cuda, float32, int32, types, uint32
 
 from ninfer.gpu.cuda.kernels.attn_decode import NEG_BIG
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR, group_max, group_sum, ld4_u32, mma_m16n8k16, pack_half2
+from ninfer.gpu.cuda.kernels.jit import compiled
 
 if SIMULATOR:
     fexp = math.exp
@@ -227,7 +227,7 @@ def supports(head_dim: int, kv_dtype) -> bool:
     return np.dtype(kv_dtype) == np.float16 and head_dim % 16 == 0 and 16 <= head_dim <= 256
 
 
-@functools.cache
+@compiled
 def flash_prefill_kernel(head_dim):
     return cuda.jit(make_flash_prefill(head_dim))
 

@@ -30,6 +30,7 @@ from numba import cuda, float32, int32, int64, types, uint32
 
 from ninfer.gpu.cuda.kernels.dequant import DQ_WORD
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR, device, ld4_f32_pinned, mma_m16n8k16, pack_half2
+from ninfer.gpu.cuda.kernels.jit import compiled
 
 THREADS = 128
 BK = 64  # K per pipelined step: two 32-element quant blocks
@@ -210,7 +211,7 @@ def make_gemm(qtype: str, bm: int = 64, bn: int = 64):
     return gemm
 
 
-@functools.cache
+@compiled
 def gemm_kernel(qtype: str, tile=(64, 64)):
     """The compiled kernel for a weight type and a tile (BM, BN)."""
     return cuda.jit(make_gemm(qtype, *tile))

@@ -16,8 +16,6 @@ arithmetic), which gemv_folds.py's kernels build on. Shapes come from the `Kerne
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 from numba import cuda, float32, int32, types, uint32
 
@@ -26,6 +24,7 @@ from ninfer.gpu.cuda.kernels.dequant import DQ_WORD
 from ninfer.gpu.cuda.kernels.intrinsics import (
     SIMULATOR, device, grid_dep_launch, grid_dep_wait, group_sum, ld2_f32_pinned, ld4_f32_pinned, ld4_u32_pinned,
 )
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 from ninfer.gpu.cuda.kernels.qdot import SPLIT_QTYPES, WCOMP, WORDS, act_block, fns
 from ninfer.gpu.cuda.plan import DEFAULT, KernelPlan
@@ -229,7 +228,7 @@ def _make_gemv_split(qtype: str, lanes: int, R: int, unroll: int, evict_first: b
     return gemv_split
 
 
-@functools.cache
+@compiled
 def gemv_kernel(qtype: str, mode: str, lanes: int, max_m: int, rows_per_group: int = 1, unroll: int = 0,
                 split: bool = False, evict_first: bool = True):
     return cuda.jit(make_gemv(qtype, mode, lanes, max_m, rows_per_group, unroll, split, evict_first))

@@ -18,7 +18,6 @@ All build on gemv.py's split loop (every load of an iteration before its arithme
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -31,6 +30,7 @@ from ninfer.gpu.cuda.kernels.gemv import (
 from ninfer.gpu.cuda.kernels.intrinsics import (
     SIMULATOR, block_sum, device, grid_dep_launch, grid_dep_wait, group_sum, ld4_f32, ld4_f32_pinned,
 )
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 from ninfer.gpu.cuda.kernels.qdot import SPLIT_QTYPES, WCOMP, WORDS, fns
 from ninfer.gpu.cuda.kernels.rope import pair_elems, store_pair
@@ -148,7 +148,7 @@ def _make_gemv_rope(qtype: str, lanes: int, U: int, head_dim: int, interleaved: 
     return gemv_rope
 
 
-@functools.cache
+@compiled
 def gemv_rope_kernel(qtype: str, lanes: int, unroll: int, head_dim: int, interleaved: bool, evict_first: bool = True):
     return cuda.jit(_make_gemv_rope(qtype, lanes, unroll, head_dim, interleaved, evict_first=evict_first))
 
@@ -169,7 +169,7 @@ def gemv_rope(spec, w, xa, xs, bias, cos, sin, tok_pos, tok_page, tok_slot, q_ou
     )  # fmt: skip
 
 
-@functools.cache
+@compiled
 def gemv_swiglu_kernel(qtype: str, lanes: int, unroll: int, evict_first: bool = True):
     return cuda.jit(_make_gemv_swiglu(qtype, lanes, unroll, evict_first))
 
@@ -334,7 +334,7 @@ def _make_gemv_fused(qtype: str, lanes: int, R: int, unroll: int, prologue: str,
     return gemv_fused
 
 
-@functools.cache
+@compiled
 def gemv_fused_kernel(qtype: str, prologue: str, lanes: int, cols: int, rows_per_group: int, unroll: int,
                       evict_first: bool = True):  # fmt: skip
     return cuda.jit(_make_gemv_fused(qtype, lanes, rows_per_group, unroll, prologue, cols, evict_first=evict_first))

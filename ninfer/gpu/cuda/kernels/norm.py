@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -18,6 +17,7 @@ from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.kernels.act_quant import quantize_q8_ref, quantize_quad
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR, block_sum, grid_dep_launch, grid_dep_wait, ld4_f32_pinned
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 
 # threads a block at most (read at launch; an A/B switch for `profile --variant`: fewer
@@ -100,7 +100,7 @@ def make_rmsnorm(mode: str, threads: int, chunks: int):
     return rmsnorm
 
 
-@functools.cache
+@compiled
 def rmsnorm_kernel(mode: str, threads: int, chunks: int):
     return cuda.jit(make_rmsnorm(mode, threads, chunks))
 

@@ -13,13 +13,13 @@ One-token q8 steps of models without q/k norm do this in the QKV GEMV's epilogue
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.kernels.intrinsics import block_sum, device, grid_dep_launch, grid_dep_wait
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 
 # -- the per-pair math, shared with gemv_folds.gemv_rope ------------------------------------------
@@ -111,7 +111,7 @@ def make_qkv_post(head_dim: int, interleaved: bool = False):
     return qkv_post
 
 
-@functools.cache
+@compiled
 def qkv_post_kernel(head_dim: int, interleaved: bool = False):
     return cuda.jit(make_qkv_post(head_dim, interleaved))
 

@@ -21,7 +21,6 @@ bit masks (bit i of word i // 32: token allowed).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -41,6 +40,7 @@ from ninfer.gpu.cuda.kernels.intrinsics import (
     order_key,
     uniform,
 )
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 from ninfer.gpu.cuda.plan import DEFAULT, KernelPlan
 from ninfer.core.params import MAX_TOP_LOGPROBS
@@ -383,7 +383,7 @@ def make_sampler(threads: int = THREADS):
     return sample_rows
 
 
-@functools.cache
+@compiled
 def sampler_kernel(threads: int = THREADS):
     return cuda.jit(make_sampler(threads))
 

@@ -6,13 +6,13 @@ exp(-g)), written as float32 (mode f32) or quantized to int8 blocks (mode q8).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 from numba import cuda, float32, types
 
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR, device, grid_dep_launch, grid_dep_wait
+from ninfer.gpu.cuda.kernels.jit import compiled
 from ninfer.gpu.cuda.kernels.pdl import aware
 
 from ninfer.gpu.cuda.kernels.act_quant import quantize_q8_ref, store_q8
@@ -52,7 +52,7 @@ def make_swiglu(mode: str, threads: int = THREADS):
     return swiglu
 
 
-@functools.cache
+@compiled
 def swiglu_kernel(mode: str, threads: int = THREADS):
     return cuda.jit(make_swiglu(mode, threads))
 
