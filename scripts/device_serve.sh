@@ -7,8 +7,11 @@
 #           over consecutive calls: one call carries at most 64 MiB)
 #   serve   `ninfer serve` (this tree, default flags; SERVE_FLAGS adds some) driven by
 #           `ninfer bench serve` at 1,4,16,64 streams, 256 tokens each, two passes (cold, steady)
+#   restart `ninfer serve` again on the kernel cache the serve stage filled (the warm restart's ready
+#           time goes to ready.txt beside the cold one), one pass
 #   base    the same against the tree in .stage/base.tar.gz (an earlier commit; BASE_FLAGS)
 #   prefix  the shared-prefix load: a ~2,000-token system prompt, ~150 new tokens, 64 out
+#   gaps    `ninfer serve --frame-gap-us G` for each G in GAPS (default 250 500 1000), GAP_STREAMS streams
 #   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
 #   tests   the GPU tests (TESTS: pytest arguments)
 #   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
@@ -18,7 +21,7 @@ set -uo pipefail
 WHAT=,${1:-setup},
 OUT=${OUT:-/tmp/ninfer-out}
 mkdir -p "$OUT" /tmp/ninfer-stage
-export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 NINFER_CACHE_DIR=${NINFER_CACHE_DIR:-/tmp/ninfer-cache}
 has() { [[ "$WHAT" == *",$1,"* ]]; }
 ROOT=$PWD
 if [ -d .whl/serve ] && [ ! -f /tmp/site/.done ]; then
@@ -33,6 +36,10 @@ if [ ! -f "$GGUF" ] && ls /tmp/ninfer-stage/smollm2.part02 /tmp/ninfer-stage/smo
 fi
 [ -f "$GGUF" ] && export NINFER_TEST_GGUF=$GGUF
 if [ -f .stage/base.tar.gz ] && [ ! -d /tmp/base ]; then mkdir -p /tmp/base && tar xzf .stage/base.tar.gz -C /tmp/base; fi
+# .stage/new.tar.gz (optional): the tree to measure, when the carried work tree holds unfinished edits
+if [ -f .stage/new.tar.gz ]; then
+  rm -rf /tmp/new && mkdir -p /tmp/new && tar xzf .stage/new.tar.gz -C /tmp/new && ROOT=/tmp/new && cd /tmp/new
+fi
 ninfer() { local tree=$1; shift; PYTHONPATH=/tmp/site:$tree python3 -m ninfer.cli.main "$@"; }
 
 # serve_and_bench LABEL TREE "SERVE FLAGS" BENCH ARGS...: start, wait for /health, bench, stop
@@ -47,7 +54,8 @@ serve_and_bench() {
     kill -0 $pid 2>/dev/null || break
     sleep 0.1
   done
-  echo "$label: ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$OUT/ready.txt"
+  echo "$label: ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms; $(grep -o 'warmed up.*' "$OUT/serve_$label.log" | tail -1)" \
+    | tee -a "$OUT/ready.txt"
   PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_SERVE_S:-240} python3 -m ninfer.cli.main bench serve \
     --url http://127.0.0.1:$port --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
     | sed "s/^/$label /" | tee -a "$OUT/served.txt"
@@ -59,12 +67,21 @@ STREAMS=${STREAMS:-1,4,16,64}
 if has serve; then
   serve_and_bench new "$ROOT" "${SERVE_FLAGS:-}" --concurrency $STREAMS --output-tokens 256 --passes 2
 fi
+if has restart; then
+  serve_and_bench restart "$ROOT" "${SERVE_FLAGS:-}" --concurrency $STREAMS --output-tokens 256 --passes 1
+fi
 if has base; then
   serve_and_bench base /tmp/base "${BASE_FLAGS:---activations q8}" --concurrency $STREAMS --output-tokens 256 --passes 2 --no-ignore-eos
 fi
 if has prefix; then
   serve_and_bench prefix "$ROOT" "${SERVE_FLAGS:-}" --concurrency ${PREFIX_STREAMS:-16,64} --shared-prefix-tokens 2000 \
     --prompt-tokens 150 --output-tokens 64 --passes 3
+fi
+if has gaps; then  # the frame pacing's A/B on the warm kernel cache: one server per --frame-gap-us value
+  for gap in ${GAPS:-250 500 1000}; do
+    serve_and_bench gap$gap "$ROOT" "--frame-gap-us $gap ${SERVE_FLAGS:-}" --concurrency ${GAP_STREAMS:-16,64} \
+      --output-tokens 256 --passes 1
+  done
 fi
 if has host; then
   for tree in "$ROOT" /tmp/base; do

@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=0.0, help="stand-in GPU time of one step")
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--no-lookahead", action="store_true")
+    parser.add_argument("--frame-gap-us", type=float, default=None,
+                        help="as serve --frame-gap-us (default: the server's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load(None)
@@ -111,6 +113,10 @@ def main() -> None:
         settings = ServerSettings(port=args.port, engine=EngineConfig(**fields))
     except TypeError:  # before ServerSettings composed an EngineConfig
         settings = ServerSettings(port=args.port, **fields)
+    if args.frame_gap_us is not None:  # (the option is `serve --frame-gap-us`)
+        import attrs
+
+        settings = attrs.evolve(settings, frame_gap_us=args.frame_gap_us)
     trio.run(lambda: serve(settings, model=model, runner=runner))
 
 

@@ -1,5 +1,7 @@
 """The sans-IO planner: admission, batching, chunked prefill, pressure, resume — no event loop."""
 
+import pytest
+
 from ninfer.sched.planner import (
     PauseMode,
     PlanLimits,
@@ -161,3 +163,51 @@ def test_deadlines():
     keep, expired = split_expired(seqs, 5.0)
     assert [s.seq_id for s in keep] == [2] and [s.seq_id for s in expired] == [0, 1]
     assert next_deadline_s([]) == float("inf")
+
+
+# -- the burst budget ----------------------------------------------------------------------
+
+
+def test_a_burst_of_short_prefills_is_planned_in_one_step_up_to_the_cap():
+    # Six 5-token prompts with chunks of 8: 30 tokens, more than two chunks, so a burst.
+    waiting = [make_seq(i, prompt=5, phase=Phase.WAITING) for i in range(6)]
+    plan = plan_step([], [], waiting, PoolState(num_free_pages=40), limits(max_concurrency=8))
+    assert [s.seq_id for s in plan.admits] == list(range(6))
+    assert rows_of(plan) == [(i, 5, 2, True) for i in range(6)]  # the default cap: 8 chunks
+    # A cap of 24 tokens: rows in FIFO order until it is spent.
+    plan = plan_step([], [], waiting, PoolState(num_free_pages=40), limits(max_concurrency=8, max_prefill_tokens=24))
+    assert rows_of(plan) == [(0, 5, 2, True), (1, 5, 2, True), (2, 5, 2, True), (3, 5, 2, True), (4, 4, 1, False)]
+    # Without the burst (two chunks or less of short work) the step keeps one chunk.
+    plan = plan_step([], [], waiting[:3], PoolState(num_free_pages=40), limits(max_concurrency=8))
+    assert rows_of(plan) == [(0, 5, 2, True), (1, 3, 1, False)]
+
+
+def test_in_a_burst_an_older_long_prefill_keeps_its_chunk_and_goes_first():
+    long_prompt = make_seq(0, prompt=30)
+    waiting = [make_seq(i, prompt=4, phase=Phase.WAITING) for i in range(1, 6)]
+    plan = plan_step([long_prompt], [], waiting, PoolState(num_free_pages=40), limits(max_concurrency=8))
+    # 8 for the long prompt (never more than a chunk a row), then 4 for each short one.
+    assert rows_of(plan) == [(0, 8, 2, False), *((i, 4, 1, True) for i in range(1, 6))]
+    plan = plan_step([long_prompt], [], waiting, PoolState(num_free_pages=40),
+                     limits(max_concurrency=8, max_prefill_tokens=12))  # fmt: skip
+    assert rows_of(plan) == [(0, 8, 2, False), (1, 4, 1, True)]
+
+
+def test_a_prefill_others_wait_for_gets_a_chunk_per_waiter():
+    owner = make_seq(0, prompt=40)
+    owner.num_waiters = 2
+    plan = plan_step([owner], [], [], PoolState(num_free_pages=40), limits())
+    assert rows_of(plan) == [(0, 24, 6, False)]  # its chunk and one for each waiter
+    plan = plan_step([owner], [], [], PoolState(num_free_pages=40), limits(max_prefill_tokens=16))
+    assert rows_of(plan) == [(0, 16, 4, False)]
+    owner.num_waiters = 0
+    assert rows_of(plan_step([owner], [], [], PoolState(num_free_pages=40), limits())) == [(0, 8, 2, False)]
+
+
+def test_the_burst_cap_is_checked():
+    from ninfer.sched.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="max_prefill_tokens"):
+        EngineConfig(prefill_chunk=512, max_prefill_tokens=256)
+    assert limits(prefill_chunk=8).max_step_prefill == 64
+    assert limits(prefill_chunk=8, max_prefill_tokens=100).max_step_prefill == 100

@@ -7,9 +7,17 @@ cache (a prefix of them when it was cancelled). Before every forward pass and ev
 the pool's reference counts equal the holders' page lists (sequences and cache): no count is
 negative and no page is both free and referenced. Half the traces run with lookahead (decode
 step N + 1 submitted, fed by step N's samples, before step N is collected).
+
+Single flight, checked at the same points: only running or looked-up queued requests claim
+pages, a request waiting for another's pages holds none, and no two running requests are both
+still to compute the same page of a shared prefix (unless a read-only request, a pause or the
+host tier, which hands out pages a hit may fail to restore, is involved). Every admitted request
+was looked up exactly once: the lookup counter equals the admissions.
 """
 
 from __future__ import annotations
+
+import collections
 
 import attrs
 import trio
@@ -30,6 +38,7 @@ from ninfer.sched.request import (
     Started,
     TokenDelta,
 )
+from ninfer.sched.sequence import Phase
 
 PAGE = 4
 MAX_CONTEXT = 32
@@ -138,15 +147,53 @@ def check_pool(state) -> None:
     state.pool.check_consistent(holders=sequences + cache_holders(state))
 
 
+def check_single_flight(state, *, exact: bool) -> None:
+    """Claims belong to requests that compute; waiters hold nothing; with `exact`, no page of a
+    shared prefix is being computed by two running requests at once."""
+    claimants = getattr(state.prefix, "claimants", dict)()
+    computing = {seq.seq_id for seq in state.running} | {s.seq_id for s in state.waiting if s.is_prefix_looked_up}
+    assert set(claimants) <= computing
+    for seq in state.waiting:
+        if seq.prefix_wait is not None:
+            assert not seq.is_prefix_looked_up and not seq.pages and seq.num_cached == 0
+            assert seq.prefix_wait.owner_id != seq.seq_id
+    assert all(seq.prefix_wait is None for seq in (*state.running, *state.paused))
+    if not exact:
+        return
+    pending = collections.Counter()
+    for seq in state.running:
+        if seq.request.cache_read_only or seq.num_pauses:
+            continue
+        prompt = tuple(seq.token_ids[: seq.num_prompt])
+        for page in range(seq.num_cached // PAGE, (seq.num_prompt - 1) // PAGE):
+            pending[prompt[: (page + 1) * PAGE]] += 1
+    assert all(count == 1 for count in pending.values()), "two running requests compute the same prefix page"
+
+
 class CheckingExecutor(VirtualTimeExecutor):
     """Checks the page accounting before every forward pass and every prefix-cache copy."""
 
     state = None
+    exact_single_flight = False
 
     async def __call__(self, fn, *args):
         if self.state is not None and getattr(fn, "__name__", "") in ("step", "run", "submit", "_submit_then_collect"):
             check_pool(self.state)
+            check_single_flight(self.state, exact=self.exact_single_flight)
         return await super().__call__(fn, *args)
+
+
+def count_admissions(state) -> set[int]:
+    """Spy on the state's moves: the ids of the requests that went from the queue to a lane."""
+    admitted, move = set(), state.move
+
+    def spy(seq, phase):
+        if seq.phase is Phase.WAITING and phase is Phase.RUNNING:
+            admitted.add(seq.seq_id)
+        move(seq, phase)
+
+    state.move = spy
+    return admitted
 
 
 async def run_trace(trace: Trace):
@@ -160,14 +207,18 @@ async def run_trace(trace: Trace):
     )  # fmt: skip
     outcomes = [Outcome() for _ in trace.arrivals]
     executor = CheckingExecutor(runner)
+    executor.exact_single_flight = trace.prefix_cache and trace.host_cache_pages == 0
     async with open_engine(config, runner, ByteTokenizer(), executor=executor) as engine:
         executor.state = engine._state
+        admitted = count_admissions(engine._state)
         async with trio.open_nursery() as nursery:
             for arrival, outcome in zip(trace.arrivals, outcomes):
                 nursery.start_soon(follow, engine, arrival, outcome)
         await trio.sleep(10)  # cancellations take effect within one step
         stats = engine.statistics()
         engine._state.pool.check_consistent(holders=cache_holders(engine._state))
+        assert getattr(engine._state.prefix, "claimants", dict)() == {}  # at idle nobody computes
+        assert stats.num_prefix_lookups == (len(admitted) if trace.prefix_cache else 0)
     return outcomes, stats
 
 
@@ -263,3 +314,38 @@ def test_stop_strings_match_across_any_split(text, cuts, stops):
             assert emitted == seen[:start]
             return
     assert hit is None and emitted == text
+
+
+@st.composite
+def bursts(draw):
+    """Requests arriving together at a few instants over one shared prefix, in a roomy pool:
+    many are admitted at once, so single flight (and its takeovers) is exercised."""
+    num_shared = draw(st.integers(PAGE + 1, 16))
+    arrivals_ = []
+    for _ in range(draw(st.integers(2, 8))):
+        num_prompt = draw(st.integers(num_shared, 20))
+        arrivals_.append(Arrival(
+            at_s=draw(st.sampled_from([0.0, 0.0, 0.5, 1.5])), num_prompt=num_prompt,
+            max_tokens=draw(st.integers(1, MAX_CONTEXT - num_prompt)), seed=draw(st.integers(0, 2**32)),
+            greedy=draw(st.booleans()), cancel_after_s=draw(st.none() | st.integers(0, 12).map(lambda n: n / 8)),
+            num_shared=num_shared, read_only=draw(st.integers(0, 5)) == 0,
+        ))  # fmt: skip
+    return Trace(
+        arrivals=tuple(arrivals_), num_pages=draw(st.integers(MAX_CONTEXT // PAGE, 3 * MAX_CONTEXT // PAGE)),
+        host_pages=draw(st.sampled_from([0, 1000])), prefill_chunk=draw(st.sampled_from([3, 8, 64])),
+        max_concurrency=draw(st.integers(2, 8)), max_pending=8, pending_timeout_s=1000.0, prefix_cache=True,
+        host_cache_pages=draw(st.sampled_from([0, 0, 3])), lookahead=draw(st.booleans()),
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trace=bursts())
+def test_bursts_over_a_shared_prefix_keep_every_invariant(trace):
+    outcomes, stats = trio.run(run_trace, trace, clock=trio.testing.MockClock(autojump_threshold=0))
+    alone = trio.run(run_alone, trace, clock=trio.testing.MockClock(autojump_threshold=0))
+    for arrival, outcome, expected in zip(trace.arrivals, outcomes, alone):
+        check_one(arrival, outcome, expected)
+        # Nobody waits forever for pages an owner that left was computing: no queue timeouts.
+        assert not isinstance(outcome.error, QueueTimeout)
+    assert stats.num_pages_used == stats.num_prefix_cache_pages
+    assert sum(stats.requests_by_outcome.values()) == len(trace.arrivals)

@@ -8,7 +8,16 @@ import pytest
 from ninfer.cli.simulate import main
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.fake import CostModel
-from ninfer.sched.simulate import Workload, format_report, generate_requests, simulate
+from ninfer.sched.simulate import (
+    PrefixBurst,
+    Workload,
+    burst_config,
+    format_burst_report,
+    format_report,
+    generate_requests,
+    simulate,
+    simulate_burst,
+)
 
 COST = CostModel(step_s=1 / 256, token_s=1 / 65536, row_s=0.0)
 
@@ -68,3 +77,50 @@ def test_cli_prints_the_report(capsys):
     assert exc.value.code == 2
     assert main(["--kv-capacity", "64", "--max-context", "512", "--requests", "1"]) == 2
     assert "--kv-capacity (64 tokens) must hold at least one full --max-context (512 tokens)" in capsys.readouterr().err
+
+
+# -- the shared-prefix burst ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def burst64():
+    # 64 concurrent arrivals over a 2,000-token system prompt, ~150-token questions; short
+    # answers keep the replay quick (the prefill is what is measured).
+    workload = PrefixBurst(num_requests=64, output_tokens=4, num_bursts=2)
+    return simulate_burst(workload)
+
+
+def test_a_shared_prefix_is_computed_once_even_in_the_first_burst(burst64):
+    first, later = burst64.bursts
+    shared = burst64.workload.prefix_tokens
+    assert first.prefix_tokens_computed == shared  # once, by one request, for all 64
+    assert first.prefix_tokens_cached == 63 * shared  # everyone else attached it
+    assert first.prefix_tokens_cached >= 0.95 * first.shared_tokens
+    assert later.prefix_tokens_computed == 0 and later.prefix_tokens_cached == later.shared_tokens
+    for burst in (first, later):
+        assert burst.num_first_tokens == 64
+        assert burst.steps_to_admit <= 4  # the prefix (one step), then short suffixes in bursts
+        assert 0 < burst.ttft_p50_s <= burst.ttft_p95_s
+    stats = burst64.statistics
+    assert stats.num_prefix_lookups == 128 and stats.num_prefix_hits == 127  # every admission looked up
+    assert stats.num_prefix_waits == 63 and stats.num_preemptions == 0
+    assert stats.requests_by_outcome["length"] == 128
+    assert "steps to admit" in format_burst_report(burst64)
+
+
+def test_the_burst_budget_admits_the_suffixes_in_fewer_steps():
+    workload = PrefixBurst(num_requests=16, prefix_tokens=400, suffix_tokens=40, suffix_spread=8,
+                           output_tokens=2, num_bursts=2)  # fmt: skip
+    adaptive = simulate_burst(workload, burst_config(workload, prefill_chunk=64))
+    fixed = simulate_burst(workload, burst_config(workload, prefill_chunk=64, max_prefill_tokens=64))
+    assert adaptive == simulate_burst(workload, burst_config(workload, prefill_chunk=64))  # deterministic
+    for a, f in zip(adaptive.bursts, fixed.bursts):
+        assert a.prefix_tokens_computed == f.prefix_tokens_computed  # single flight either way
+        assert a.num_first_tokens == f.num_first_tokens == 16
+    # The warm burst's 16 suffixes (~640 tokens, over two chunks) take 2 steps (512 tokens,
+    # then the rest) instead of one step per chunk.
+    num_suffix_tokens = sum(len(prompt) - 400 for prompt in workload.prompts()[1])
+    assert num_suffix_tokens > 512
+    assert adaptive.bursts[1].steps_to_admit == 2
+    assert fixed.bursts[1].steps_to_admit == -(-num_suffix_tokens // 64)
+    assert adaptive.bursts[1].ttft_p95_s < fixed.bursts[1].ttft_p95_s

@@ -68,7 +68,8 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 TOKENIZE, DETOKENIZE = "/v1/tokenize", "/v1/detokenize"
 MESSAGES, COUNT_TOKENS = "/v1/messages", "/v1/messages/count_tokens"
 RESPONSES = "/v1/responses"
-POST_ROUTES = (CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE, MESSAGES, COUNT_TOKENS, RESPONSES)
+SCORE, RERANK, EMBEDDINGS = "/v1/score", "/v1/rerank", "/v1/embeddings"
+POST_ROUTES = (CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE, MESSAGES, COUNT_TOKENS, RESPONSES, SCORE, RERANK, EMBEDDINGS)
 # Known paths and the methods they take (HEAD and OPTIONS are the framework's own).
 ROUTE_METHODS = {
     "/health": {"GET"}, "/metrics": {"GET"}, "/v1/models": {"GET"}, "/v1/models/some-model": {"GET"},
@@ -83,6 +84,9 @@ VALID = {
     MESSAGES: {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]},
     COUNT_TOKENS: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]},
     RESPONSES: {"model": MODEL, "input": "Hi", "max_output_tokens": 1},
+    SCORE: {"model": MODEL, "messages": [], "questions": [{"id": "q", "content": "Hi?"}], "candidates": ["Yes", "No"]},
+    RERANK: {"model": MODEL, "query": "Hi", "documents": ["Hello"]},
+    EMBEDDINGS: {"model": MODEL, "input": "Hi"},
 }
 
 
@@ -520,6 +524,32 @@ responses_bodies = request_bodies(
     keep=("max_output_tokens",),
 )  # fmt: skip
 
+# ---- strategies: scoring ---------------------------------------------------------------------
+
+score_candidates = st.lists(mostly(st.text(min_size=1, max_size=6)), min_size=1, max_size=3)
+score_formats = st.sampled_from(({"type": "text"}, {"type": "json_object"}, {"type": "json_schema", "json_schema": {
+    "name": "n", "schema": {"enum": ["a", 1, None]}}}, {"type": "json_schema", "json_schema": {"name": "n"}}))  # fmt: skip
+score_questions = st.lists(mostly(st.fixed_dictionaries(
+    {"id": mostly(names), "content": mostly(chat_contents)},
+    optional={"candidates": mostly(score_candidates), "response_format": mostly(score_formats)})), min_size=1, max_size=3)  # fmt: skip
+score_bodies = request_bodies(
+    required={"model": model_names, "messages": mostly(st.lists(mostly(chat_message), max_size=2)),
+              "questions": mostly(score_questions), "candidates": mostly(score_candidates)},
+    optional={"top_logprobs": mostly(st.integers(0, 3)), "chat_template_kwargs": mostly(json_objects)},
+)  # fmt: skip
+rerank_bodies = request_bodies(
+    required={"query": mostly(short_texts), "documents": mostly(st.lists(mostly(st.one_of(
+        short_texts, st.fixed_dictionaries({"text": mostly(short_texts)}))), min_size=1, max_size=3))},
+    optional={"model": model_names, "top_n": mostly(st.integers(-2, 5)), "return_documents": booleans},
+)  # fmt: skip
+embedding_bodies = request_bodies(
+    required={"model": model_names, "input": mostly(st.one_of(
+        short_texts, st.lists(mostly(short_texts), max_size=3), st.lists(mostly(st.integers(0, 49151)), max_size=4),
+        st.lists(st.lists(mostly(st.integers(0, 49151)), max_size=3), max_size=2)))},
+    optional={"encoding_format": mostly(st.sampled_from(("float", "base64"))), "dimensions": mostly(st.integers(1, 8)),
+              "user": mostly(short_texts)},
+)  # fmt: skip
+
 # Ids in URLs: plain, odd, percent-encoded invalid UTF-8 and surrogates, slashes, very long.
 url_ids = st.one_of(
     names.map("resp_".__add__), st.text(max_size=40), st.sampled_from(SURROGATE_TEXTS),
@@ -570,6 +600,24 @@ def test_fuzz_count_tokens(target, body, auth, headers):
 @given(body=responses_bodies, auth=auth_headers)
 def test_fuzz_responses(target, body, auth):
     send_fuzzed(target, RESPONSES, body, auth)
+
+
+@fuzz_settings(60)
+@given(body=score_bodies, auth=auth_headers)
+def test_fuzz_score(target, body, auth):
+    send_fuzzed(target, SCORE, body, auth)
+
+
+@fuzz_settings(25)
+@given(body=rerank_bodies, auth=auth_headers)
+def test_fuzz_rerank(target, body, auth):
+    send_fuzzed(target, RERANK, body, auth)
+
+
+@fuzz_settings(30)
+@given(body=embedding_bodies, auth=auth_headers)
+def test_fuzz_embeddings(target, body, auth):
+    send_fuzzed(target, EMBEDDINGS, body, auth)
 
 
 @fuzz_settings(80)
@@ -658,6 +706,9 @@ SURROGATE_CASES = [
     (RESPONSES, "instructions", S), (RESPONSES, "metadata", {"k": S}), (RESPONSES, "metadata", {S: "v"}),
     (RESPONSES, "user", S), (RESPONSES, "previous_response_id", S), (RESPONSES, "cache_salt", S),
     (RESPONSES, "include", [S]), (RESPONSES, "tools", [{"type": "function", "name": S}]), (RESPONSES, S, 1),
+    (SCORE, "questions.0.content", S), (SCORE, "questions.0.id", S), (SCORE, "candidates.1", S), (SCORE, S, 1),
+    (RERANK, "query", S), (RERANK, "documents.0", S), (RERANK, "documents.0", {"text": S}), (RERANK, S, 1),
+    (EMBEDDINGS, "input", S), (EMBEDDINGS, "input", ["a", S]), (EMBEDDINGS, "user", S), (EMBEDDINGS, S, 1),
 ]  # fmt: skip
 
 

@@ -15,6 +15,13 @@ It implements the scheduler's `PrefixCacheHook` (`ninfer/sched/prefix_hook.py`):
   recently used of them to a bounded host tier or evicts them; a later hit restores a host
   entry (`ninfer/cache/tiers.py`). The host tier evicts least recently used first.
 - `detach` undoes an `attach` for a request the scheduler could not admit this step.
+- Single flight: `claim` registers the full prompt pages a sequence is about to compute (keyed
+  like the index). An `attach` whose next uncached page is claimed by another sequence attaches
+  nothing and sets `seq.prefix_wait`: the request waits for those pages instead of computing
+  them again. The claims end as the pages are published (`publish_progress`), or all at once
+  when the owner stops computing (`forget`: finished, paused or cancelled; `detach`: not
+  admitted); the waiter's next `attach` then looks up again and either finds the pages or,
+  when the owner went away first, computes them itself (claiming them for the next waiter).
 
 Every KV copy this needs is queued in a `CacheIO` batch (see `host_tier.py`): the owner of the
 runner calls `take_io()`, runs the batch off the event loop and hands the result back to
@@ -38,7 +45,7 @@ from ninfer.core.runner import PageSnapshot, Runner
 class PrefixCacheStatistics:
     """Counters (only grow) and gauges of one prefix cache."""
 
-    num_lookups: int  # prompts looked up (of admitted requests)
+    num_lookups: int  # prompts looked up (of admitted requests: `detach` takes a lookup back)
     num_hits: int  # lookups that reused at least one token
     num_hit_tokens: int  # prompt tokens served from the cache
     num_published_pages: int  # pages the cache took from sequences
@@ -50,6 +57,7 @@ class PrefixCacheStatistics:
     num_host_pages: int  # snapshots on the host tier now
     host_bytes: int  # bytes of those snapshots
     host_budget_bytes: int
+    num_waits: int = 0  # requests that waited for pages another request was computing
 
 
 @attrs.frozen
@@ -58,6 +66,23 @@ class Hit:
 
     page_ids: tuple[int, ...]
     num_tokens: int
+
+
+@attrs.define(eq=False)
+class _Claim:
+    """The pages one sequence is computing: its prompt, and page index -> key of each page."""
+
+    prompt: np.ndarray
+    keys: dict[int, bytes] = attrs.Factory(dict)
+
+
+@attrs.frozen
+class PrefixWait:
+    """An `attach` that found its next pages being computed by another sequence (single flight)."""
+
+    owner_id: int  # the seq_id of the sequence computing them
+    key: bytes  # the last page of the run it shares with the owner: the wait lasts while it is claimed
+    num_tokens: int  # prompt tokens the waiter finds cached once those pages are published
 
 
 class PrefixCache:
@@ -83,20 +108,64 @@ class PrefixCache:
         self._index = PrefixIndex(page_size, key_bytes=key_bytes)
         self._host = HostTier(host_budget_bytes, page_nbytes)
         self._tiers = Tiers(self._index, self._host, num_reserved_pages=num_reserved_pages)
-        self._counts = dict.fromkeys(("lookups", "hits", "hit_tokens", "published_pages", "tail_copies"), 0)
+        self._counts = dict.fromkeys(("lookups", "hits", "hit_tokens", "published_pages", "tail_copies", "waits"), 0)
+        # Single flight: page key -> seq_id of the sequence computing that page, and per
+        # sequence its claims; where each attach left off (for the claim that follows it).
+        self._claims: dict[bytes, int] = {}
+        self._claimed: dict[int, _Claim] = {}
+        self._frontiers: dict[int, tuple[bytes, int]] = {}  # seq_id -> (parent key, first uncached page)
 
     # -- the scheduler's hook ------------------------------------------------------------
 
     def attach(self, seq, pool: PagePool) -> None:
-        """Give a waiting sequence its cached prefix (sets pages, num_cached, num_cached_prompt)."""
+        """Give a waiting sequence its cached prefix (sets pages, num_cached, num_cached_prompt),
+        or, when its next uncached pages are claimed by another sequence, nothing: it then sets
+        `seq.prefix_wait` (cleared by the attach that finds the wait over)."""
         if seq.pages or seq.num_cached:
             raise ValueError(f"sequence {seq.seq_id} already holds KV; attach it before it runs")
-        hit = self.lookup(seq.token_ids[: seq.num_prompt], seq.request.cache_salt, pool)
+        self._tiers.bind(pool)
+        wait = getattr(seq, "prefix_wait", None)
+        if wait is not None and self._claims.get(wait.key) == wait.owner_id:
+            return  # still being computed: nothing to look up yet
+        prompt = np.asarray(seq.token_ids[: seq.num_prompt], dtype=np.int64)
+        salt = salt_bytes(self._salt, seq.request.cache_salt)
+        chain = self._index.walk(salt, prompt, (len(prompt) - 1) // self.page_size)
+        parent_key = chain[-1].key if chain else self._index.root_key(salt)
+        new_wait = self._in_flight(seq.seq_id, parent_key, len(chain), prompt)
+        if new_wait is not None:
+            self._count(waits=int(wait is None))
+            seq.prefix_wait = new_wait
+            return
+        if wait is not None:
+            seq.prefix_wait = None
+        hit = self._hold(chain, salt, prompt, pool)
         seq.pages = list(hit.page_ids)
         seq.num_cached = seq.num_cached_prompt = hit.num_tokens
+        self._frontiers[seq.seq_id] = (parent_key, len(chain))
+
+    def claim(self, seq) -> None:
+        """`seq` (just attached) will compute the rest of its prompt: an `attach` of another
+        sequence whose next uncached page is one of these waits for it instead of computing it."""
+        frontier = self._frontiers.pop(seq.seq_id, None)
+        if frontier is None or seq.request.cache_read_only:
+            return
+        parent_key, first_page = frontier
+        claim = _Claim(np.asarray(seq.token_ids[: seq.num_prompt], dtype=np.int64))
+        for index, key in enumerate(self._index.keys_after(parent_key, claim.prompt, first_page), start=first_page):
+            if self._claims.setdefault(key, seq.seq_id) == seq.seq_id:  # the first claimant computes it
+                claim.keys[index] = key
+        if claim.keys:
+            self._claimed[seq.seq_id] = claim
+
+    def forget(self, seq) -> None:
+        """`seq` stopped computing (finished, paused, cancelled, left the queue): its claims end,
+        so whoever waits for them looks up again at its next attach."""
+        self._frontiers.pop(seq.seq_id, None)
+        self._end_claims(seq.seq_id, None)
 
     def detach(self, seq, pool: PagePool) -> None:
-        """Undo `attach` for a sequence that stays queued (its lookup is not counted)."""
+        """Undo `attach` for a sequence that stays queued (its lookup is not counted, its claims end)."""
+        self.forget(seq)
         pool.release(seq.pages)
         self._count(lookups=-1, hits=-int(seq.num_cached_prompt > 0), hit_tokens=-seq.num_cached_prompt)
         seq.pages = []
@@ -104,14 +173,21 @@ class PrefixCache:
 
     def publish(self, seq, pool: PagePool) -> None:
         """Keep a finished sequence's computed pages (before it releases them)."""
-        if not seq.request.cache_read_only:
-            self.insert(seq.token_ids[: seq.num_cached], seq.pages, seq.request.cache_salt, pool)
+        try:
+            if not seq.request.cache_read_only:
+                self.insert(seq.token_ids[: seq.num_cached], seq.pages, seq.request.cache_salt, pool)
+        finally:
+            self._end_claims(seq.seq_id, seq.num_cached // self.page_size)
 
     def publish_progress(self, seq, pool: PagePool) -> None:
         """Share a running sequence's completed full pages now (its tail page is still written)."""
-        if not seq.request.cache_read_only:
-            num_full_tokens = seq.num_cached // self.page_size * self.page_size
-            self.insert(seq.token_ids[:num_full_tokens], seq.pages, seq.request.cache_salt, pool)
+        num_full_pages = seq.num_cached // self.page_size
+        try:
+            if not seq.request.cache_read_only:
+                num_full_tokens = num_full_pages * self.page_size
+                self.insert(seq.token_ids[:num_full_tokens], seq.pages, seq.request.cache_salt, pool)
+        finally:
+            self._end_claims(seq.seq_id, num_full_pages)  # computed: claimed no more, cached or not
 
     def num_reclaimable_pages(self) -> int:
         """Pages held only by the cache, which `reclaim` may free."""
@@ -149,8 +225,13 @@ class PrefixCache:
         self._tiers.bind(pool)
         prompt = np.asarray(prompt_ids, dtype=np.int64)
         salt = salt_bytes(self._salt, cache_salt)
-        max_tokens = len(prompt) - 1  # the last prompt token is computed: it yields the first sample
-        chain = self._index.walk(salt, prompt, max_tokens // self.page_size)
+        # The last prompt token is computed: it yields the first sample.
+        chain = self._index.walk(salt, prompt, (len(prompt) - 1) // self.page_size)
+        return self._hold(chain, salt, prompt, pool)
+
+    def _hold(self, chain: list[CacheEntry], salt: bytes, prompt: np.ndarray, pool: PagePool) -> Hit:
+        """Hold the pages of a walked chain (restoring host entries) plus a copied tail; count the lookup."""
+        max_tokens = len(prompt) - 1
         # Touch first: a restore that must free a page takes it from strictly older entries.
         self._index.touch(chain)
         floor = chain[-1].last_used if chain else None
@@ -200,6 +281,7 @@ class PrefixCache:
             num_hit_tokens=c["hit_tokens"],
             num_published_pages=c["published_pages"],
             num_tail_copies=c["tail_copies"],
+            num_waits=c["waits"],
             num_demotions=tiers.num_demotions,
             num_restores=tiers.num_restores,
             num_evictions=tiers.num_evictions,
@@ -212,6 +294,18 @@ class PrefixCache:
     def holders(self) -> list[list[int]]:
         """The cache's references in the pool, one list per holder (for `PagePool.check_consistent`)."""
         return self._tiers.holders()
+
+    def claimants(self) -> dict[int, int]:
+        """Sequences with claimed pages: seq_id -> how many pages it claims (single flight)."""
+        owners: dict[int, int] = {}
+        for owner in self._claims.values():
+            owners[owner] = owners.get(owner, 0) + 1
+        by_sequence = {seq_id: claim.keys for seq_id, claim in self._claimed.items()}
+        if owners != {seq_id: len(keys) for seq_id, keys in by_sequence.items()} or any(
+            self._claims[key] != seq_id for seq_id, keys in by_sequence.items() for key in keys.values()
+        ):
+            raise AssertionError("the claims by page and by sequence disagree")
+        return owners
 
     def entries(self) -> list[CacheEntry]:
         """Every entry, least recently used first."""
@@ -227,6 +321,38 @@ class PrefixCache:
                 self._tiers.evict(entry, count=False)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _in_flight(self, seq_id: int, parent_key: bytes, first_page: int, prompt: np.ndarray) -> PrefixWait | None:
+        """The wait for the pages from `first_page` on (the first not cached) while another
+        sequence claims them, up to the last page both prompts share; None if nobody does."""
+        max_pages = (len(prompt) - 1) // self.page_size  # as the lookup: never the last token's page
+        if first_page >= max_pages:
+            return None
+        key = next(self._index.keys_after(parent_key, prompt[: (first_page + 1) * self.page_size], first_page))
+        owner = self._claims.get(key)
+        if owner is None or owner == seq_id:
+            return None
+        # The same key: the same salt and tokens up to here. How much further do they agree?
+        claim = self._claimed[owner]
+        n = min(len(prompt), len(claim.prompt))
+        mismatch = np.flatnonzero(prompt[:n] != claim.prompt[:n])
+        num_pages = min((int(mismatch[0]) if mismatch.size else n) // self.page_size, max_pages)
+        last = max((index for index in claim.keys if first_page <= index < num_pages), default=None)
+        if last is None:  # (a hash collision: the tokens differ after all)
+            return None
+        return PrefixWait(owner, claim.keys[last], (last + 1) * self.page_size)
+
+    def _end_claims(self, seq_id: int, num_pages: int | None) -> None:
+        """End the sequence's claims on its first `num_pages` pages (None: all of them)."""
+        claim = self._claimed.get(seq_id)
+        if claim is None:
+            return
+        for index in [i for i in claim.keys if num_pages is None or i < num_pages]:
+            key = claim.keys.pop(index)
+            if self._claims.get(key) == seq_id:
+                del self._claims[key]
+        if not claim.keys:
+            del self._claimed[seq_id]
 
     def _count(self, **amounts: int) -> None:
         for name, amount in amounts.items():

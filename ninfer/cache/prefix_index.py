@@ -111,7 +111,18 @@ class PrefixIndex:
 
     def child_key(self, parent: CacheEntry | None, salt: bytes, tokens: bytes) -> bytes:
         parent_key = self.root_key(salt) if parent is None else parent.key
+        return self._page_key(parent_key, tokens)
+
+    def _page_key(self, parent_key: bytes, tokens: bytes) -> bytes:
         return hashlib.blake2b(parent_key + tokens, digest_size=self.key_bytes, person=b"ninfer-page").digest()
+
+    def keys_after(self, parent_key: bytes, token_ids: np.ndarray, first_page: int) -> Iterator[bytes]:
+        """The keys of the full pages of `token_ids` from page `first_page` on, cached or not,
+        chained from `parent_key` (the key of page `first_page - 1`, or the root key)."""
+        size = self.page_size
+        for i in range(first_page, len(token_ids) // size):
+            parent_key = self._page_key(parent_key, token_bytes(token_ids[i * size : (i + 1) * size]))
+            yield parent_key
 
     # -- lookups -------------------------------------------------------------------------
 

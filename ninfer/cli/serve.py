@@ -13,11 +13,12 @@ from ninfer.cli.common import (
 )  # fmt: skip
 from ninfer.core.params import SamplingParams
 from ninfer.sched.config import EngineConfig
-from ninfer.server.settings import LOG_LEVELS, MIB, ServerSettings
+from ninfer.server.settings import LOG_LEVELS, MIB, RERANK_OPTIONS, ServerSettings
 
 DESCRIPTION = """\
 Serve a model over HTTP: OpenAI Chat Completions, Completions and Responses, Anthropic
-Messages, tokenize / detokenize, /health and Prometheus /metrics. Every option is checked at
+Messages, scoring (/v1/score, /v1/rerank), embeddings, tokenize / detokenize, /health and
+Prometheus /metrics. Every option is checked at
 start-up; SIGINT / SIGTERM stop accepting connections, answer queued requests 503, give
 in-flight streams --shutdown-grace-s seconds, then end them with an error event saying the
 server is shutting down. See docs/serving.md."""
@@ -40,6 +41,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _unit_interval_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
     return value
 
 
@@ -69,6 +77,10 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"largest request body; bigger ones get 413 before parsing (default: {d('max_request_mib'):g})")
     group.add_argument("--cors", action="append", default=[], nargs="?", const="*", metavar="ORIGIN",
                        help="allow browser requests from ORIGIN (repeatable; bare --cors allows any origin)")
+    group.add_argument("--frame-gap-us", type=_non_negative_float, default=d("frame_gap_us"), metavar="US",
+                       help="with more than 4 streams, a stream's next text frame waits this many microseconds per "
+                       "stream running (each frame then carries several tokens, which leaves the engine its steps; "
+                       f"0 sends every token at once) (default: {d('frame_gap_us'):g})")
     group.add_argument("--sse-keepalive-s", type=_positive_float, default=d("keepalive_s"), metavar="S",
                        help=f"SSE comment interval while a stream waits or prefills (default: {d('keepalive_s'):g})")
     group.add_argument("--shutdown-grace-s", type=_non_negative_float, default=d("shutdown_grace_s"), metavar="S",
@@ -79,6 +91,12 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"longest wait for a request body; then 408 (default: {d('body_timeout_s'):g})")
     group.add_argument("--log-level", choices=LOG_LEVELS, default=d("log_level"),
                        help=f"log verbosity; debug also logs every request (default: {d('log_level')})")
+    scoring = parser.add_argument_group("scoring (/v1/score, /v1/rerank)")
+    scoring.add_argument("--rerank-max-documents", type=positive_int, default=d("rerank_max_documents"), metavar="N",
+                         help=f"documents one /v1/rerank call may send (default: {d('rerank_max_documents')})")
+    for name, weight in zip(RERANK_OPTIONS, d("rerank_weights")):
+        scoring.add_argument(f"--rerank-weight-{name}", type=_unit_interval_float, default=weight, metavar="W",
+                             help=f"relevance of a document judged '{name}', 0..1 (default: {weight:g})")
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +113,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-chunk", type=positive_int, default=d("prefill_chunk"), metavar="TOKENS",
                        help="prompt tokens per engine step, so long prompts never stall streams "
                             f"(default: {d('prefill_chunk')})")
+    group.add_argument("--max-prefill-tokens", type=positive_int, default=None, metavar="TOKENS",
+                       help="prompt tokens one step may take when a burst of short prompts (or short suffixes "
+                            "over a cached prefix) arrives, or others wait on a shared prefix being computed "
+                            "(default: 8 x --prefill-chunk)")
     group.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                        help="never reuse the KV of earlier requests' shared prompt prefixes (default: reuse)")
     group.add_argument("--no-lookahead", dest="lookahead", action="store_false",
@@ -136,6 +158,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     engine = engine_config(
         args, max_concurrency=args.max_concurrency, max_pending=args.max_pending_requests,
         pending_timeout_s=args.pending_timeout_ms / 1000.0, prefill_chunk=args.prefill_chunk,
+        max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=args.prefix_reuse, host_cache_bytes=int(args.host_cache_mib * MIB), lookahead=args.lookahead,
     )  # fmt: skip
     return ServerSettings(
@@ -143,7 +166,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         default_max_tokens=args.default_max_tokens, host=args.host, port=args.port, model_id=args.model_id,
         api_keys=tuple(dict.fromkeys(keys)), max_request_mib=args.max_request_mib, log_level=args.log_level,
         cors_origins=tuple(args.cors), keepalive_s=args.sse_keepalive_s, shutdown_grace_s=args.shutdown_grace_s,
+        frame_gap_us=args.frame_gap_us,
         send_timeout_s=args.send_timeout_s, body_timeout_s=args.body_timeout_s,
+        rerank_max_documents=args.rerank_max_documents,
+        rerank_weights=tuple(getattr(args, f"rerank_weight_{name}") for name in RERANK_OPTIONS),
     )  # fmt: skip
 
 

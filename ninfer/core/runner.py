@@ -42,6 +42,11 @@ class SampleSpec:
     `allowed` is a bool mask over the vocabulary from a grammar (None = unconstrained).
     Log-probabilities are of the raw model distribution (log_softmax of the logits, before
     temperature, penalties or masks).
+
+    `score_ids` (scoring): token ids whose log-probabilities at this position the result
+    reports in `SampledToken.score_logprobs`, in the same order, whatever is sampled. With
+    `allowed` set to a single token and greedy params, a row is teacher-forced: the sampled
+    token is that token and its `logprob` is its raw log-probability.
     """
 
     params: SamplingParams
@@ -52,6 +57,8 @@ class SampleSpec:
     allowed: np.ndarray | None = None
     num_top_logprobs: int = attrs.field(default=0, validator=in_range(0, MAX_TOP_LOGPROBS))
     want_logits: bool = False  # return the raw float32 logits row (tests, scoring)
+    score_ids: np.ndarray | None = None  # int32 [k]: report these ids' raw log-probabilities
+    want_hidden: bool = False  # return the final hidden row: rmsnorm(x) * final_norm, the head's input
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -70,6 +77,8 @@ class SampledToken:
     top_ids: np.ndarray | None = None  # int32 [k], best first
     top_logprobs: np.ndarray | None = None  # float32 [k]
     logits: np.ndarray | None = None  # float32 [vocab] when SampleSpec.want_logits
+    score_logprobs: np.ndarray | None = None  # float32 [k]: of SampleSpec.score_ids, in order
+    hidden: np.ndarray | None = None  # float32 [d_model] when SampleSpec.want_hidden
 
 
 @attrs.frozen(eq=False)

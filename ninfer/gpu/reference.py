@@ -16,6 +16,7 @@ The forward is the plain dense decoder (llama / qwen2 / qwen3), computed in floa
         h = rmsnorm(x) * ffn_norm
         x = x + (silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
     logits = (rmsnorm(x) * final_norm) @ head.T          only at rows' last positions
+                                                         (the hidden row, when a row wants it)
 
 All rows' tokens go through each linear as one [T, d] matmul (BLAS); only attention loops over
 rows. Weights are dequantized once at construction. The KV pool holds, per layer,
@@ -193,9 +194,13 @@ class ReferenceRunner(SyncSubmit):
         results: list[SampledToken | None] = [None] * len(rows)
         if not wanted:
             return results
-        logits = self._head_logits(x[batch.row_starts[1:][wanted] - 1])
-        for r, row_logits in zip(wanted, logits, strict=True):
+        x_last = x[batch.row_starts[1:][wanted] - 1]
+        logits = self._head_logits(x_last)
+        for r, row_x, row_logits in zip(wanted, x_last, logits, strict=True):
             results[r] = sampling.sample(row_logits, rows[r].sample)
+            if rows[r].sample.want_hidden:
+                hidden = rms_norm(row_x, self._final_norm, self.spec.rms_eps).astype(np.float32)
+                results[r] = attrs.evolve(results[r], hidden=hidden)
         return results
 
     def _head_logits(self, x_last: np.ndarray) -> np.ndarray:

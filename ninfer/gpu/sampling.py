@@ -3,8 +3,9 @@
 Every backend implements exactly these semantics (the CUDA sampler is tested against this
 module), so the steps are written out plainly, in the order they apply:
 
-1. Read-out: `logprobs = log_softmax(logits)` of the raw row. The sampled token's logprob and
-   the top-k read-out (k <= 20; ties broken by lower id) come from here.
+1. Read-out: `logprobs = log_softmax(logits)` of the raw row. The sampled token's logprob,
+   the top-k read-out (k <= 20; ties broken by lower id) and the log-probabilities of
+   `spec.score_ids` (scoring) come from here.
 2. Repetition penalty (Hugging Face style) over the unique ids of prompt + output: a positive
    logit is divided by the penalty, a negative one multiplied.
 3. Presence / frequency penalties (OpenAI style) over the output ids:
@@ -161,7 +162,18 @@ def sample(logits: np.ndarray, spec: SampleSpec) -> SampledToken:
         top_ids=top,
         top_logprobs=None if top is None else logprobs[top].astype(np.float32),
         logits=raw.copy() if spec.want_logits else None,
+        score_logprobs=score_logprobs(logprobs, spec.score_ids),
     )
+
+
+def score_logprobs(logprobs: np.ndarray, score_ids: np.ndarray | None) -> np.ndarray | None:
+    """float32 log-probabilities of `score_ids` (None when there are none) from a log_softmax row."""
+    if score_ids is None:
+        return None
+    ids = np.asarray(score_ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= logprobs.shape[0]):
+        raise ValueError(f"score ids must be in [0, {logprobs.shape[0]})")
+    return logprobs[ids].astype(np.float32)
 
 
 def sample_rows(logits: np.ndarray, specs: Sequence[SampleSpec]) -> list[SampledToken]:

@@ -69,6 +69,12 @@ class EngineConfig:
     prefill_chunk: int = attrs.field(
         default=512, validator=_at_least(1, "prefill tokens per step")
     )
+    max_prefill_tokens: int | None = attrs.field(
+        default=None, validator=_optional_at_least(1, "prefill tokens per step in a burst")
+    )
+    # ^ a burst of short prefills (short prompts, short suffixes over a cached prefix, each at
+    #   most prefill_chunk) may take up to this many tokens a step, to be admitted within a few
+    #   steps (sched/planner.py); None = 8 x prefill_chunk.
     host_snapshot_bytes: int = attrs.field(
         default=GIB, validator=_at_least(0, "bytes of host memory for paused KV")
     )
@@ -90,6 +96,9 @@ class EngineConfig:
         kv, context = self.kv_capacity, self.max_context
         if kv is not None and context is not None and kv < context:
             raise ConfigError(f"--kv-capacity ({kv} tokens) must hold at least one full --max-context ({context} tokens)")
+        burst = self.max_prefill_tokens
+        if burst is not None and burst < self.prefill_chunk:
+            raise ConfigError(f"max_prefill_tokens ({burst}) must be at least prefill_chunk ({self.prefill_chunk})")
 
     def resolve_max_context(self, model_context: int, *, cap: int | None = None) -> int:
         """The context limit in effect for a model of `model_context` tokens: `max_context`,

@@ -121,6 +121,7 @@ class Engine:
         self._limits = PlanLimits(
             page_size=config.page_size,
             prefill_chunk=config.prefill_chunk,
+            max_prefill_tokens=config.max_prefill_tokens,
             max_concurrency=config.max_concurrency,
             host_snapshot_bytes=config.host_snapshot_bytes,
             page_nbytes=runner.page_nbytes,
@@ -208,6 +209,9 @@ class Engine:
             raise InvalidRequest(
                 f"The prompt holds token ids outside the vocabulary (0..{vocab_size - 1})."
             )
+        scored = request.score_token_ids
+        if scored and (min(scored) < 0 or max(scored) >= vocab_size):
+            raise InvalidRequest(f"The score token ids must be in the vocabulary (0..{vocab_size - 1}).")
 
     def _enqueue(self, request: GenerationRequest) -> RequestStream:
         state = self._state

@@ -64,7 +64,7 @@ def accept_token(
         _finish_with_flush(state, seq, ticket, FinishReason.STOP, stop_token_id=token_id)
         return
     chunk = ticket.text.push(token_id)
-    ticket.emit(TokenDelta((token_id,), chunk.text, _logprobs(seq, sampled)))
+    ticket.emit(TokenDelta((token_id,), chunk.text, _logprobs(seq, sampled), sampled.hidden))
     if chunk.stop_sequence is not None:
         state.finish(seq, FinishReason.STOP, stop_sequence=chunk.stop_sequence)
         return
@@ -97,4 +97,5 @@ def _logprobs(seq: Sequence, sampled: SampledToken) -> tuple[TokenLogprob, ...] 
             (int(i), float(lp))
             for i, lp in zip(sampled.top_ids[: seq.request.top_logprobs], sampled.top_logprobs)
         )
-    return (TokenLogprob(int(sampled.token_id), float(sampled.logprob), top),)
+    scores = () if sampled.score_logprobs is None else tuple(float(lp) for lp in sampled.score_logprobs)
+    return (TokenLogprob(int(sampled.token_id), float(sampled.logprob), top, scores),)

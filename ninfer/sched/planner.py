@@ -3,8 +3,13 @@
 `plan_step` decides, for the next forward pass, in this order:
 
 1. Rows for the running sequences, oldest first. A decoding sequence always gets its one
-   token; prefilling (or replaying) sequences share at most `prefill_chunk` tokens per step.
-   Pages are reserved only for the tokens of this step.
+   token; prefilling (or replaying) sequences share the step's prefill budget, oldest first,
+   each row at most `prefill_chunk` tokens, or a chunk for itself and one for every request
+   waiting for its prefix pages (single flight). The budget is `prefill_chunk`, except in a
+   burst: when short prefills (at most a chunk each: short prompts, short suffixes over a
+   cached prefix) running or admissible add up to more than `BURST_CHUNKS` chunks, or a
+   prefill has waiters, the step takes every row's share, up to `max_prefill_tokens`. Pages
+   are reserved only for the tokens of this step.
 2. Pressure: when a row cannot get even the one page it needs, the planner first takes
    inactive prefix-cache pages (`num_reclaimable_pages`), then pauses the youngest running
    sequences that are younger than it, one at a time, until the page fits. A pause snapshots
@@ -21,7 +26,7 @@ The driver applies the plan in the same order (reclaim, pauses, resumes, admissi
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 
 import attrs
@@ -30,17 +35,45 @@ from ninfer.cache.pages import pages_for_tokens
 from ninfer.sched.sequence import Sequence
 
 
+# Short prefills (at most a chunk each) adding up to more than this many chunks are a burst.
+BURST_CHUNKS = 2
+
+
 @attrs.frozen(kw_only=True)
 class PlanLimits:
     page_size: int
-    prefill_chunk: int
+    prefill_chunk: int  # the most prefill tokens of one row, and of a step outside a burst
     max_concurrency: int
     host_snapshot_bytes: int
     page_nbytes: int
+    max_prefill_tokens: int | None = None  # of one step in a burst (None: 8 x prefill_chunk)
 
     def free_lanes(self, num_holding: int) -> int:
         """Execution lanes left when `num_holding` sequences (running or paused) hold one each."""
         return max(0, self.max_concurrency - num_holding)
+
+    @property
+    def max_step_prefill(self) -> int:
+        """The most prefill tokens one step may take (at least a chunk)."""
+        cap = 8 * self.prefill_chunk if self.max_prefill_tokens is None else self.max_prefill_tokens
+        return max(self.prefill_chunk, cap)
+
+    def row_prefill(self, seq: Sequence) -> int:
+        """The most prefill tokens of the sequence's row: a chunk, and one more for every
+        request waiting for its prefix pages (at most `max_step_prefill`)."""
+        return min(self.max_step_prefill, self.prefill_chunk * (1 + seq.num_waiters))
+
+    def prefill_budget(self, sequences: Iterable[Sequence]) -> int:
+        """Prefill tokens for a step whose prefilling (or about to) sequences are `sequences`:
+        a chunk, or in a burst (short ones, at most a chunk each, adding up to more than
+        `BURST_CHUNKS` chunks, or one with waiters) every row's share, at most `max_step_prefill`."""
+        chunk = self.prefill_chunk
+        prefilling = [seq for seq in sequences if seq.num_pending > 1]
+        num_short = sum(seq.num_pending for seq in prefilling if seq.num_pending <= chunk)
+        if num_short <= BURST_CHUNKS * chunk and not any(seq.num_waiters for seq in prefilling):
+            return chunk
+        num_wanted = sum(min(seq.num_pending, self.row_prefill(seq)) for seq in prefilling)
+        return max(chunk, min(self.max_step_prefill, num_wanted))
 
 
 @attrs.frozen(kw_only=True)
@@ -90,11 +123,11 @@ class StepPlan:
 class _Budget:
     """What is left to hand out while one step is being planned."""
 
-    def __init__(self, pool: PoolState, limits: PlanLimits):
+    def __init__(self, pool: PoolState, limits: PlanLimits, num_prefill: int):
         self.num_free = pool.num_free_pages
         self.num_reclaimable = pool.num_reclaimable_pages
         self.num_reclaim = 0
-        self.num_prefill_left = limits.prefill_chunk
+        self.num_prefill_left = num_prefill
         self.host_bytes_left = limits.host_snapshot_bytes - pool.host_snapshot_bytes_used
         self._count_private = pool.count_private_pages or (lambda seq: len(seq.pages))
 
@@ -122,8 +155,10 @@ def plan_step(
     pool: PoolState,
     limits: PlanLimits,
 ) -> StepPlan:
-    """Decide the next step. All three lists are in arrival (FIFO) order."""
-    budget = _Budget(pool, limits)
+    """Decide the next step. All three lists are in arrival (FIFO) order; `waiting` holds the
+    admission candidates (looked up in the prefix cache, not waiting for another's pages)."""
+    candidates = waiting[: limits.free_lanes(len(running) + len(paused))]
+    budget = _Budget(pool, limits, limits.prefill_budget([*running, *paused, *candidates]))
     residents = list(running)
     rows, pauses = _plan_running(residents, budget, limits)
     resumes: list[Sequence] = []
@@ -141,11 +176,11 @@ def plan_step(
     )
 
 
-def _wanted_tokens(seq: Sequence, num_prefill_left: int) -> int:
+def _wanted_tokens(seq: Sequence, num_prefill_left: int, limits: PlanLimits) -> int:
     """Tokens the sequence would feed this step: its decode token, or a prefill chunk."""
     if seq.num_pending == 1:
         return 1
-    return min(seq.num_pending, num_prefill_left)
+    return min(seq.num_pending, num_prefill_left, limits.row_prefill(seq))
 
 
 def _plan_running(residents: list[Sequence], budget: _Budget, limits: PlanLimits):
@@ -154,7 +189,7 @@ def _plan_running(residents: list[Sequence], budget: _Budget, limits: PlanLimits
     index = 0
     while index < len(residents):
         seq = residents[index]
-        num_wanted = _wanted_tokens(seq, budget.num_prefill_left)
+        num_wanted = _wanted_tokens(seq, budget.num_prefill_left, limits)
         if num_wanted:
             budget.reclaim_up_to(seq.pages_needed(num_wanted, limits.page_size))
             pauses += _pause_for(seq, index, residents, budget, limits)
@@ -206,7 +241,7 @@ def _plan_starts(candidates, residents, rows, budget: _Budget, limits) -> list[S
         budget.num_free -= num_held - len(seq.pages)  # the snapshot's pages
         residents.append(seq)
         started.append(seq)
-        row = _fit_row(seq, _wanted_tokens(seq, budget.num_prefill_left), num_held, budget, limits)
+        row = _fit_row(seq, _wanted_tokens(seq, budget.num_prefill_left, limits), num_held, budget, limits)
         if row is not None:
             rows.append(row)
     return started

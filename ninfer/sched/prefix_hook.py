@@ -3,14 +3,24 @@
 A prefix cache shares full, read-only KV pages between sequences through the page pool's
 reference counts. The scheduler calls every method of `PrefixCacheHook`, at these points:
 
-- `attach(seq, pool)`: once per sequence, while it is at the head of the FIFO and before its
-  admission is planned. A hit retains the cached pages for `seq` (`pool.retain`), sets
-  `seq.pages`, `seq.num_cached` and `seq.num_cached_prompt`. Shared pages are whole pages; a
-  partially reused last page must be the sequence's own copy (copy-on-write). At least the last
-  prompt token stays uncomputed (that position yields the first sample), so a sequence never
-  writes into a shared page.
-- `detach(seq, pool)`: undo `attach` for a sequence that was not admitted this step (release
-  its pages, reset its counts); it is looked up again later.
+- `attach(seq, pool)`: before its admission is planned, for every queued sequence that could
+  take a free lane this step, in FIFO order (so every admitted sequence was looked up). A hit
+  retains the cached pages for `seq` (`pool.retain`), sets `seq.pages`, `seq.num_cached` and
+  `seq.num_cached_prompt`. Shared pages are whole pages; a partially reused last page must be
+  the sequence's own copy (copy-on-write). At least the last prompt token stays uncomputed
+  (that position yields the first sample), so a sequence never writes into a shared page.
+  Single flight: when the next pages `seq` lacks are being computed by another sequence (they
+  were claimed), `attach` holds nothing and sets `seq.prefix_wait` instead; the sequence is not
+  a candidate this step (younger ones may be), and it is attached again at every step until an
+  attach finds the wait over (the owner published the pages, or stopped computing them) and
+  clears `seq.prefix_wait`.
+- `claim(seq)`: right after an `attach` that did not wait: `seq` will compute the rest of its
+  prompt, so later attaches that need those pages wait for it.
+- `detach(seq, pool)`: undo `attach` (and `claim`) for a sequence that was not admitted this
+  step (release its pages, reset its counts); it is looked up again later.
+- `forget(seq)`: `seq` stopped computing: it finished (after `publish`), was paused, or left
+  the queue. Its claims end, so the requests waiting for them look up again (and compute
+  whatever it did not publish).
 - `publish(seq, pool)`: when a sequence ends with STOP or LENGTH, before its pages are
   released; the cache retains the pages it wants to keep.
 - `publish_progress(seq, pool)`: a running sequence just completed more full pages; the cache
@@ -42,7 +52,11 @@ from ninfer.sched.sequence import Sequence
 class PrefixCacheHook(Protocol):
     def attach(self, seq: Sequence, pool: PagePool) -> None: ...
 
+    def claim(self, seq: Sequence) -> None: ...
+
     def detach(self, seq: Sequence, pool: PagePool) -> None: ...
+
+    def forget(self, seq: Sequence) -> None: ...
 
     def publish(self, seq: Sequence, pool: PagePool) -> None: ...
 
@@ -65,10 +79,16 @@ class NoPrefixCache:
     def attach(self, seq: Sequence, pool: PagePool) -> None:
         pass
 
+    def claim(self, seq: Sequence) -> None:
+        pass
+
     def detach(self, seq: Sequence, pool: PagePool) -> None:
         pool.release(seq.pages)
         seq.pages = []
         seq.num_cached = seq.num_cached_prompt = 0
+
+    def forget(self, seq: Sequence) -> None:
+        pass
 
     def publish(self, seq: Sequence, pool: PagePool) -> None:
         pass

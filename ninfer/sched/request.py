@@ -67,10 +67,16 @@ class GenerationRequest:
     cache_salt: str | None = attrs.field(default=None, validator=_cache_salt)  # isolates tenants in the prefix cache
     cache_read_only: bool = False  # read the prefix cache, publish nothing
     request_id: str = ""
+    # scoring: token ids whose log-probabilities each sampled position reports
+    # (`TokenLogprob.scores`, in this order; needs `logprobs`)
+    score_token_ids: tuple[int, ...] = ()
+    want_hidden: bool = False  # embeddings: each sampled position reports its final hidden row (TokenDelta.hidden)
 
     def __attrs_post_init__(self):
         if not self.prompt_ids:
             raise ValueError("the prompt must hold at least one token")
+        if self.score_token_ids and not self.logprobs:
+            raise ValueError("score_token_ids are reported with the logprobs: set logprobs")
 
 
 class FinishReason(enum.Enum):
@@ -85,6 +91,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    scores: tuple[float, ...] = ()  # logprobs of the request's score_token_ids at this position
 
 
 @attrs.frozen
@@ -99,6 +106,7 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     text: str  # newly completed text (never broken UTF-8, never part of a stop string)
     logprobs: tuple[TokenLogprob, ...] | None = None
+    hidden: np.ndarray | None = attrs.field(default=None, eq=False)  # float32 [d_model]: want_hidden
 
 
 @attrs.frozen

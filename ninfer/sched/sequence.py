@@ -42,7 +42,9 @@ class Sequence:
         self.num_cached = 0  # positions whose K/V are written in `pages`
         self.num_computed_max = 0  # the most positions ever computed (replay accounting)
         self.num_cached_prompt = 0  # prompt tokens served by the prefix cache
-        self.is_prefix_looked_up = False
+        self.is_prefix_looked_up = False  # attached (and claimed) this step: an admission candidate
+        self.prefix_wait = None  # set by the prefix cache while another sequence computes its next pages
+        self.num_waiters = 0  # queued requests waiting for the prefix pages this one computes
         self.pages: list[int] = []
         self.snapshot: PageSnapshot | None = None  # set while paused by snapshot
         self.num_snapshot_pages = 0  # pages the snapshot fills again on resume

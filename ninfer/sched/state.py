@@ -117,6 +117,7 @@ class EngineState:
             return
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.publish_pages(self.prefix.publish, seq)
+        self.forget_prefix(seq)
         self._list_of(seq.phase).remove(seq)
         seq.phase = Phase.FINISHED
         self.release_kv(seq)
@@ -136,10 +137,24 @@ class EngineState:
         except Exception:
             log.exception("request %s: the prefix cache failed to take its pages", seq.request.request_id)
 
+    def forget_prefix(self, seq: Sequence) -> None:
+        """The sequence stops computing: whoever waits for its pages looks up again (single flight)."""
+        try:
+            self.prefix.forget(seq)
+        except Exception:
+            log.exception("request %s: the prefix cache failed to end its claims", seq.request.request_id)
+
     def reject_waiting(self, seq: Sequence, error: EngineError | Finished, outcome: Outcome) -> None:
         """End a sequence that never got a lane: its stream raises `error`."""
         self.waiting.remove(seq)
         seq.phase = Phase.FINISHED
+        if seq.is_prefix_looked_up:  # attached this step: the lookup of a request never admitted
+            seq.is_prefix_looked_up = False
+            try:
+                self.prefix.detach(seq, self.pool)
+            except Exception:
+                log.exception("request %s: the prefix cache failed to detach it", seq.request.request_id)
+        self.forget_prefix(seq)
         self.release_kv(seq)  # pages a prefix-cache hit attached while it waited
         ticket = self.tickets.pop(seq.seq_id)
         ticket.emit(error)
@@ -211,6 +226,7 @@ def _prefix_fields(prefix: PrefixCacheHook) -> dict[str, int]:
         return {}
     return {
         "num_prefix_lookups": cache.num_lookups,
+        "num_prefix_waits": cache.num_waits,
         "num_prefix_hits": cache.num_hits,
         "num_prefix_demotions": cache.num_demotions,
         "num_prefix_restores": cache.num_restores,

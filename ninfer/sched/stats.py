@@ -46,7 +46,7 @@ class EngineStatistics:
     num_generated_tokens: int  # sampled tokens, stop tokens included
     requests_by_outcome: Mapping[str, int]  # Outcome.value -> count
     # The prefix cache (all zero without one); counters except the last three gauges.
-    num_prefix_lookups: int = 0  # admitted requests whose prompt was looked up
+    num_prefix_lookups: int = 0  # admitted requests whose prompt was looked up (every one, with a cache)
     num_prefix_hits: int = 0  # of those, how many reused at least one token
     num_prefix_demotions: int = 0  # inactive pages moved to the host tier under pressure
     num_prefix_restores: int = 0  # host-tier pages copied back by a hit
@@ -55,6 +55,7 @@ class EngineStatistics:
     num_prefix_host_pages: int = 0  # gauge: pages on the host tier
     prefix_host_bytes: int = 0  # gauge: host memory those pages take
     num_lookahead_steps: int = 0  # decode steps queued before the step before them was read
+    num_prefix_waits: int = 0  # requests that waited for prefix pages another request was computing
 
 
 class Counters:

@@ -19,6 +19,7 @@ cache count as computed; later users of those pages are queued behind it on the 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -81,9 +82,11 @@ class Stepper:
         state = self._state
         self._reap_cancelled()
         expire_waiting(state)
-        self._attach_prefixes()
+        candidates = self._attach_prefixes()
         await self._run_cache_io()  # restores and copy-on-write tails for those hits
-        plan = self._plan(state.waiting)
+        # Only looked-up requests may be admitted: not those waiting for another's pages, nor
+        # those that arrived (or a cancellation removed) while the copies ran.
+        plan = self._plan([seq for seq in candidates if seq.phase is Phase.WAITING])
         if self._detach_unadmitted(plan):
             # Pages held by queued requests must not starve running ones: plan again without.
             plan = self._plan([seq for seq in plan.admits if seq.phase is Phase.WAITING])
@@ -128,19 +131,35 @@ class Stepper:
             if seq.is_cancel_requested:
                 self._state.finish(seq, FinishReason.CANCELLED)
 
-    def _attach_prefixes(self) -> None:
+    def _attach_prefixes(self) -> list[Sequence]:
+        """Look up queued requests in FIFO order until there is one for every free lane; returns
+        them (the admission candidates). A request whose next prefix pages another request is
+        computing right now waits for them (single flight): it is no candidate this step."""
         state = self._state
         num_lanes_free = self._limits.free_lanes(len(state.running) + len(state.paused))
-        for seq in state.waiting[:num_lanes_free]:
+        candidates: list[Sequence] = []
+        owners: Counter[int] = Counter()  # seq_id -> requests waiting for its pages now
+        for seq in list(state.waiting):
+            if len(candidates) >= num_lanes_free:
+                break
             if not seq.is_prefix_looked_up:
-                seq.is_prefix_looked_up = True
                 try:
                     state.prefix.attach(seq, state.pool)
+                    if seq.prefix_wait is not None:
+                        owners[seq.prefix_wait.owner_id] += 1
+                        continue
+                    seq.is_prefix_looked_up = True
+                    state.prefix.claim(seq)
                 except Exception:
                     # Work that depends on one request fails that request alone.
                     log.exception("request %s: the prefix-cache lookup failed", seq.request.request_id)
                     error = RequestFailed("The server failed while looking up this request's prompt in its cache.")
                     state.reject_waiting(seq, error, Outcome.ERROR)
+                    continue
+            candidates.append(seq)
+        for seq in (*state.running, *state.paused, *candidates):
+            seq.num_waiters = owners[seq.seq_id]  # the planner gives their rows more
+        return candidates
 
     def _detach_unadmitted(self, plan: StepPlan) -> bool:
         """Queued requests the plan does not admit give their cache hits back (looked up again later).
@@ -176,6 +195,7 @@ class Stepper:
             seq.num_cached = 0
         state.pool.release(seq.pages)
         seq.pages = []
+        state.forget_prefix(seq)  # requests waiting for its prefix pages compute them themselves
         seq.num_pauses += 1
         state.counters.num_preemptions += 1
         state.move(seq, Phase.PAUSED)
@@ -320,6 +340,8 @@ class Stepper:
             output_ids=np.asarray(seq.output_ids, dtype=np.int32) if with_penalties else None,
             allowed=allowed,
             num_top_logprobs=request.top_logprobs if request.logprobs else 0,
+            score_ids=np.asarray(request.score_token_ids, dtype=np.int32) if request.score_token_ids else None,
+            want_hidden=request.want_hidden,
         )
 
     def _commit(self, planned: PlannedRow, result) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import attrs
+import numpy as np
 import trio
 
 from ninfer.sched.request import EngineError, Event, Finished, Started, TokenDelta, TokenLogprob
@@ -19,6 +20,7 @@ class Completion:
     text: str
     finished: Finished
     logprobs: tuple[TokenLogprob, ...] | None = None
+    hidden: np.ndarray | None = attrs.field(default=None, eq=False)  # the first sampled position's (want_hidden)
 
 
 class RequestStream:
@@ -112,6 +114,7 @@ class RequestStream:
         token_ids: list[int] = []
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
+        hidden = None
         async for event in self:
             if isinstance(event, Started):
                 started = event
@@ -119,7 +122,9 @@ class RequestStream:
                 token_ids += event.token_ids
                 text.append(event.text)
                 logprobs += event.logprobs or ()
+                if hidden is None:
+                    hidden = event.hidden
             else:
                 finished = event
         assert started is not None and finished is not None
-        return Completion(started, tuple(token_ids), "".join(text), finished, tuple(logprobs) or None)
+        return Completion(started, tuple(token_ids), "".join(text), finished, tuple(logprobs) or None, hidden)

@@ -9,7 +9,8 @@ engine errors) are rendered in the Anthropic shape under `/v1/messages` and in t
 shape everywhere else.
 
 Routes here: GET /health, /metrics, /v1/models, /v1/models/{id}. The generation routes are
-in `routes_openai`, `routes_anthropic` and `routes_responses`.
+in `routes_openai`, `routes_anthropic` and `routes_responses`, the prefill-only routes (/v1/score,
+/v1/rerank, /v1/embeddings) in `routes_scoring`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ninfer.protocols.errors import ApiError, ErrorKind
-from ninfer.server import routes_anthropic, routes_openai, routes_responses
+from ninfer.server import routes_anthropic, routes_openai, routes_responses, routes_scoring
 from ninfer.server.http_io import error_from_exception, http_api_error, json_response
 from ninfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from ninfer.server.settings import ServerSettings
@@ -34,6 +35,11 @@ log = logging.getLogger(__name__)
 
 ANTHROPIC_PREFIXES = ("/v1/messages",)
 OPEN_PATHS = ("/health",)  # never need a key
+# The routes that run the model: `ninfer_route_requests_total{route}` counts their answered requests.
+API_ROUTES = frozenset((
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", routes_scoring.SCORE_ROUTE,
+    routes_scoring.RERANK_ROUTE, routes_scoring.EMBEDDINGS_ROUTE,
+))  # fmt: skip
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Statuses of errors raised before the route read all of the request body.
 _UNREAD_BODY_STATUSES = frozenset((401, 404, 405, 408, 413, 415))
@@ -51,6 +57,7 @@ def create_app(service, settings: ServerSettings, metrics: ServerMetrics) -> Qua
     _add_basic_routes(app, service, metrics)
     for routes in (routes_openai, routes_anthropic, routes_responses):
         routes.register(app, service)
+    routes_scoring.register(app, service, settings, metrics)
     app.asgi_app = _shield_last_send(app.asgi_app)
     return app
 
@@ -127,7 +134,10 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
             # The body was not read (or not all of it); closing is the only way to stay in sync
             # with the client (hypercorn would wait on the unread bytes and stall the next request).
             response.headers["Connection"] = "close"
-        metrics.count_http(request.method, _rule_label(), response.status_code)
+        rule = _rule_label()
+        metrics.count_http(request.method, rule, response.status_code)
+        if request.method == "POST" and rule in API_ROUTES and response.status_code < 400:
+            metrics.count_request(rule)
         return response
 
 

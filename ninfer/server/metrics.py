@@ -49,6 +49,7 @@ _COUNTERS = (
     ("ninfer_lookahead_steps", "num_lookahead_steps", "Decode steps queued before the step before them was read."),
     ("ninfer_prefix_lookups", "num_prefix_lookups", "Prompts looked up in the prefix cache."),
     ("ninfer_prefix_hits", "num_prefix_hits", "Lookups that reused at least one token."),
+    ("ninfer_prefix_waits", "num_prefix_waits", "Times a request waited for a shared prefix another was computing."),
     ("ninfer_prefix_demotions", "num_prefix_demotions", "Cached pages moved to the host tier."),
     ("ninfer_prefix_restores", "num_prefix_restores", "Host-tier pages copied back on a hit."),
     ("ninfer_prefix_evictions", "num_prefix_evictions", "Cached pages dropped."),
@@ -89,6 +90,10 @@ class ServerMetrics:
                                buckets=_LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
         self.http = Counter("ninfer_http_requests", "HTTP responses by route and status.",
                             ["method", "route", "status"], registry=self.registry)  # fmt: skip
+        self.route_requests = Counter("ninfer_route_requests", "API requests answered with a success status, by route.",
+                                      ["route"], registry=self.registry)  # fmt: skip
+        self.scored_tokens = Counter("ninfer_scored_tokens", "Tokens scoring calls were billed (usage.total_tokens).",
+                                     ["route"], registry=self.registry)  # fmt: skip
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -114,3 +119,10 @@ class ServerMetrics:
 
     def count_http(self, method: str, route: str, status: int) -> None:
         self.http.labels(method, route, str(status)).inc()
+
+    def count_request(self, route: str) -> None:
+        """An API request (generation or scoring) answered with a success status."""
+        self.route_requests.labels(route).inc()
+
+    def count_scored_tokens(self, route: str, num_tokens: int) -> None:
+        self.scored_tokens.labels(route).inc(num_tokens)

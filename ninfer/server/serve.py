@@ -93,7 +93,7 @@ async def _serve(settings, model, runner, switch, shutdown, shutdown_trigger, ha
 
 async def _run_engine(settings: ServerSettings, model, runner, switch, shutdown: trio.Event, *, task_status) -> None:
     """Load, create and warm the runner, open the engine and the app, then serve until cancelled."""
-    from ninfer.runtime import config_for_model, create_runner, load, warm_up
+    from ninfer.runtime import config_for_model, create_runner, kernel_cache_summary, load, warm_up
 
     owns_runner = runner is None
     if model is None:
@@ -115,7 +115,7 @@ async def _run_engine(settings: ServerSettings, model, runner, switch, shutdown:
             seconds = await trio.to_thread.run_sync(functools.partial(warm_up, runner, backend, config, progress=True),
                                                     abandon_on_cancel=True)  # fmt: skip
             if seconds is not None:
-                log.info("warmed up every batch shape in %.1f s", seconds)
+                log.info("warmed up every batch shape in %.1f s (%s)", seconds, kernel_cache_summary())
         switch.stage = "starting the engine"
         await _open_app(settings, model, runner, config, switch, shutdown, task_status)
     finally:
@@ -136,7 +136,8 @@ async def _open_app(settings, model, runner, config, switch, shutdown: trio.Even
         engines.append(engine)
         defaults = ServiceDefaults(max_tokens=settings.default_max_tokens, sampling=settings.sampling)
         async with open_service(engine, model, max_context=engine.max_context, model_id=settings.model_id,
-                                defaults=defaults, keepalive_s=settings.keepalive_s) as service:  # fmt: skip
+                                defaults=defaults, keepalive_s=settings.keepalive_s,
+                                frame_gap_s=settings.frame_gap_us * 1e-6) as service:  # fmt: skip
             app = create_app(service, settings, metrics)
             async with trio.open_nursery() as nursery:
                 await nursery.start(switch.run_app, app)

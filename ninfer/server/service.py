@@ -56,13 +56,14 @@ from ninfer.server.chat_prompt import (
     build_constraint, render_chat, tool_specs, uses_tool_parser, validate_tool_choice,
 )  # fmt: skip
 from ninfer.server.event_stream import CallObserver, EventStream, pump_events
+from ninfer.server.settings import DEFAULT_FRAME_GAP_US
 
 log = logging.getLogger(__name__)
 
 # Frame pacing (`_frame_gap`): a text frame costs ~100-150 us of Python on the event loop (an
-# H100 host, 2026-12-06); holding each stream's frames 250 us per stream running (from the
-# 5th on) keeps the handlers under about half the loop at 64 streams.
-FRAME_GAP_PER_STREAM_S = 250e-6
+# H100 host, 2026-12-06); holding each stream's frames `frame_gap_s` per stream running (from
+# the 5th on; `serve --frame-gap-us`) lets each frame carry several tokens at many streams.
+FRAME_GAP_PER_STREAM_S = DEFAULT_FRAME_GAP_US * 1e-6
 PACED_FROM_STREAMS = 5
 
 # Large inputs templated / tokenized at once, in worker threads: few, so a burst of huge
@@ -86,7 +87,7 @@ class GenerationService:
 
     def __init__(self, engine: Engine, model, nursery: trio.Nursery, *, model_id: str, max_context: int,
                  defaults: ServiceDefaults, grammar, keepalive_s: float,
-                 observer: CallObserver | None):  # fmt: skip
+                 observer: CallObserver | None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S):  # fmt: skip
         self.engine = engine
         self.model = model
         self.model_id = model_id
@@ -94,6 +95,7 @@ class GenerationService:
         self.defaults = defaults
         self.grammar = grammar  # GrammarCompiler, or None when llguidance cannot load it
         self.keepalive_s = keepalive_s
+        self.frame_gap_s = frame_gap_s
         self.observer = observer
         self.created_s = int(time.time())  # the model's "created" in /v1/models
         self._nursery = nursery
@@ -139,6 +141,10 @@ class GenerationService:
 
     async def count_tokens(self, call: ChatCall) -> int:
         return len(await self.chat_prompt_ids(call))
+
+    async def in_worker(self, num_chars: int, fn, *args):
+        """`fn(*args)` off the event loop, as templating and tokenizing run here (scoring uses it)."""
+        return await self._off_loop(num_chars, fn, *args)
 
     async def _off_loop(self, num_chars: int, fn, *args):
         """`fn(*args)` in a worker thread; inputs of LARGE_INPUT_CHARS or more take turns."""
@@ -284,7 +290,7 @@ class GenerationService:
         per token (JSON, SSE, the socket write, all on this one event loop) leaves the engine
         its steps. Tokens still arrive in order and nothing is dropped; the first token is never
         held, the end at most one gap."""
-        return FRAME_GAP_PER_STREAM_S * max(0, self.engine.num_running - PACED_FROM_STREAMS + 1)
+        return self.frame_gap_s * max(0, self.engine.num_running - PACED_FROM_STREAMS + 1)
 
     def _describe_token(self, token_id: int) -> tuple[str, bytes]:
         return self.token_text(token_id), self.token_bytes(token_id)
@@ -346,14 +352,14 @@ async def collect(stream: EventStream) -> CallResult:
 async def open_service(
     engine: Engine, model, *, max_context: int, model_id: str | None = None,
     defaults: ServiceDefaults = ServiceDefaults(), keepalive_s: float = 10.0,
-    observer: CallObserver | None = None,
+    observer: CallObserver | None = None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S,
 ) -> AsyncIterator[GenerationService]:  # fmt: skip
     """A service over an open engine; owns the tasks that pump each request's events."""
     grammar = await trio.to_thread.run_sync(_load_grammar, model)
     async with trio.open_nursery() as nursery:
         service = GenerationService(
             engine, model, nursery, model_id=model_id or model.name, max_context=max_context,
-            defaults=defaults, grammar=grammar, keepalive_s=keepalive_s, observer=observer,
+            defaults=defaults, grammar=grammar, keepalive_s=keepalive_s, observer=observer, frame_gap_s=frame_gap_s,
         )  # fmt: skip
         try:
             yield service

@@ -19,10 +19,12 @@ import re
 import attrs
 
 from ninfer.core.params import SamplingParams
+from ninfer.protocols.scoring import DEFAULT_RERANK_MAX_DOCUMENTS, DEFAULT_RERANK_WEIGHTS
 from ninfer.runtime import ConfigError, RuntimeOptions
 from ninfer.sched.config import EngineConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_FRAME_GAP_US = 250.0  # see ninfer.server.service.GenerationService._frame_gap
 MIB = 1 << 20
 _ORIGIN = re.compile(r"^(\*|https?://[^/\s]+)$")
 
@@ -49,6 +51,17 @@ def _origins_valid(instance, attribute, origins) -> None:
     for origin in origins:
         if not _ORIGIN.match(origin):
             raise SettingsError(f"--cors takes '*' or an origin like https://example.com, got {origin!r}")
+
+
+RERANK_OPTIONS = ("exact", "substitute", "complement", "irrelevant")  # the order of rerank_weights
+
+
+def _rerank_weights_valid(instance, attribute, weights) -> None:
+    if len(weights) != len(RERANK_OPTIONS):
+        raise SettingsError(f"rerank weights take {len(RERANK_OPTIONS)} numbers ({', '.join(RERANK_OPTIONS)}), got {len(weights)}")
+    for name, w in zip(RERANK_OPTIONS, weights):
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1:
+            raise SettingsError(f"--rerank-weight-{name} must be a number between 0 and 1, got {w!r}")
 
 
 def _keys_valid(instance, attribute, keys) -> None:
@@ -82,6 +95,9 @@ class ServerSettings:
         default="info", validator=_require(LOG_LEVELS.__contains__, f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {{value!r}}")
     )
     cors_origins: tuple[str, ...] = attrs.field(default=(), validator=_origins_valid)  # allowed browser origins; "*" = any
+    frame_gap_us: float = attrs.field(
+        default=DEFAULT_FRAME_GAP_US, validator=_require(lambda v: 0 <= v <= 100_000, "--frame-gap-us must be between 0 and 100000, got {value}")
+    )  # with many streams, each stream's text frames are this far apart per stream running
     keepalive_s: float = attrs.field(default=10.0, validator=_require(lambda v: v > 0, "--sse-keepalive-s must be positive, got {value}"))
     # ^ SSE comment interval on an idle stream
     shutdown_grace_s: float = attrs.field(
@@ -93,6 +109,13 @@ class ServerSettings:
     body_timeout_s: float = attrs.field(
         default=60.0, validator=_require(_finite_positive, "--body-timeout-s must be a finite positive number, got {value}")
     )  # a request body must arrive within this long
+    rerank_max_documents: int = attrs.field(
+        default=DEFAULT_RERANK_MAX_DOCUMENTS,
+        validator=_require(lambda v: v >= 1, "--rerank-max-documents must be at least 1, got {value}"),
+    )  # documents one /v1/rerank call may send
+    rerank_weights: tuple[float, ...] = attrs.field(default=DEFAULT_RERANK_WEIGHTS, converter=tuple,
+                                                    validator=_rerank_weights_valid)  # fmt: skip
+    # ^ relevance of each rerank option, in RERANK_OPTIONS order
 
     def __attrs_post_init__(self):
         limit, context = self.default_max_tokens, self.engine.max_context

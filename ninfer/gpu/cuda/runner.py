@@ -26,7 +26,7 @@ from ninfer.gpu.cuda.forward import Forward, StepPlan
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.plan import KernelPlan
 from ninfer.gpu.cuda.staging import (
-    Piece, Staged, download, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
+    Extras, Piece, Staged, download, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
 )
 from ninfer.core.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed, with_tokens
 
@@ -34,10 +34,10 @@ from ninfer.core.runner import PageSnapshot, Pending, SampledToken, StepRow, che
 class _Sub:
     """One launched sub-step: what `collect` needs to wrap its results."""
 
-    __slots__ = ("rows", "batch", "staged", "mirror", "logits", "results")
+    __slots__ = ("rows", "batch", "staged", "mirror", "extras", "results")
 
-    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, logits: dict):
-        self.rows, self.batch, self.staged, self.mirror, self.logits = rows, batch, staged, mirror, logits
+    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, extras: Extras):
+        self.rows, self.batch, self.staged, self.mirror, self.extras = rows, batch, staged, mirror, extras
         self.results: list[SampledToken | None] | None = None
 
 
@@ -86,6 +86,7 @@ class CudaRunner:
         self.kv_dtype = np.dtype(kv_dtype)
         self.stream = cuda.stream()
         self.model = upload_model(spec, weights, stream=self.stream, progress=progress)
+        self._final_norm = np.asarray(weights["final_norm"].dequantize(), np.float32)  # hidden rows, on the host
         max_tokens = max(max_tokens_per_step, max_batch_rows)
         self.limits = Limits(
             alloc_tokens=_token_bucket(max_tokens + max_batch_rows),
@@ -313,7 +314,7 @@ class CudaRunner:
         if sub.results is None:
             self._events[sub.mirror].synchronize()
             sub.results = fetch_outputs(self.bufs, self.bufs.mirrors[sub.mirror], sub.rows, sub.batch, sub.staged,
-                                        sub.logits)  # fmt: skip
+                                        sub.extras, self._final_norm, self.spec.rms_eps)  # fmt: skip
         return sub.results
 
     def _graph_key(self, rows, batch: list[Piece], decode: bool):
@@ -347,6 +348,10 @@ class CudaRunner:
             s = row.sample
             if s is not None and s.allowed is not None and not np.asarray(s.allowed, bool).any():
                 raise sampling.NoAllowedToken("the grammar allows no next token, so nothing can be sampled")
+            if s is not None and s.score_ids is not None:
+                ids = np.asarray(s.score_ids)
+                if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
+                    raise ValueError(f"sequence {row.seq_id}: score ids must be in [0, {self.spec.vocab_size})")
 
     def _page_ids(self, page_ids) -> np.ndarray:
         ids = np.asarray(page_ids, dtype=np.int32).reshape(-1)

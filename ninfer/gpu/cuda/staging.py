@@ -18,6 +18,7 @@ from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.kernels.sampler import pack_mask, penalty_entries
 from ninfer.core.params import MAX_TOP_LOGPROBS
 from ninfer.core.runner import SampledToken, StepRow
+from ninfer.gpu.sampling import log_softmax, score_logprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -237,21 +238,47 @@ def _head_specs(rows, batch: list[Piece], staged: Staged) -> list:
     return [rows[batch[i].row].sample if i >= 0 else None for i in staged.head_pieces]
 
 
-def queue_extras(bufs: StepBuffers, rows, batch: list[Piece], staged: Staged, stream) -> dict:
+@attrs.frozen
+class Extras:
+    """Rows copied back for the head rows that ask, by head index (complete once the step is)."""
+
+    logits: dict[int, np.ndarray] = attrs.field(factory=dict)  # float32 [vocab]
+    residual: dict[int, np.ndarray] = attrs.field(factory=dict)  # float32 [d_model]: the last token's x
+
+
+def queue_extras(bufs: StepBuffers, rows, batch: list[Piece], staged: Staged, stream) -> Extras:
     """Queue, right behind the step (before any later step can overwrite the device outputs),
-    the copies back only some steps need: the top-logprob lists into the selected host mirror,
-    and logits rows, returned by head index (complete once the step is)."""
+    the copies back only some steps need: the top-logprob lists into the selected host mirror;
+    logits rows (rows that want them, and scoring rows: their `score_ids` are read out on the
+    host); the residual row of the last token of rows that want their hidden row (the final
+    norm is applied on the host). Call it right after the step is queued, while the staged
+    host mirror is still this step's."""
     specs = _head_specs(rows, batch, staged)
     if any(sp is not None and sp.num_top_logprobs for sp in specs):
         r, k = bufs.limits.max_rows, MAX_TOP_LOGPROBS
         _copy_down(bufs.h_out, bufs.out, (2 + 2 * k) * r, stream)
-    return {j: bufs.logits[j].copy_to_host(stream=stream) for j, sp in enumerate(specs) if sp is not None and sp.want_logits}
+    logits = {j: bufs.logits[j].copy_to_host(stream=stream) for j, sp in enumerate(specs) if _needs_logits(sp)}
+    residual = {j: bufs.x[int(bufs.h_row[1, j])].copy_to_host(stream=stream)
+                for j, sp in enumerate(specs) if sp is not None and sp.want_hidden}  # fmt: skip
+    return Extras(logits, residual)
 
 
-def fetch_outputs(bufs: StepBuffers, mirror, rows, batch: list[Piece], staged: Staged,
-                  logits: dict) -> list[SampledToken | None]:  # fmt: skip
+def _needs_logits(sp) -> bool:
+    return sp is not None and (sp.want_logits or sp.score_ids is not None)
+
+
+def final_hidden(x: np.ndarray, final_norm: np.ndarray, eps: float) -> np.ndarray:
+    """rmsnorm(x) * final_norm of one residual row, as the reference computes it (float32)."""
+    x = np.asarray(x, np.float32)
+    scale = (1.0 / np.sqrt(np.mean(np.square(x)) + np.float32(eps))).astype(np.float32)
+    return (x * scale * final_norm).astype(np.float32)
+
+
+def fetch_outputs(bufs: StepBuffers, mirror, rows, batch: list[Piece], staged: Staged, extras: Extras,
+                  final_norm: np.ndarray | None = None, eps: float = 0.0) -> list[SampledToken | None]:  # fmt: skip
     """Wrap the head rows' results in `mirror` (the step must be complete), one entry per
-    piece of the batch; `logits` from queue_extras."""
+    piece of the batch; `extras` from queue_extras; `final_norm` (host float32) and `eps` for
+    rows that want their hidden row."""
     results: list[SampledToken | None] = [None] * len(batch)
     if staged.num_sampled == 0:
         return results
@@ -265,7 +292,10 @@ def fetch_outputs(bufs: StepBuffers, mirror, rows, batch: list[Piece], staged: S
             logprob=float(lps[j]),
             top_ids=top_ids[j, :n_top].astype(np.int32) if n_top else None,
             top_logprobs=top_lps[j, :n_top].astype(np.float32) if n_top else None,
-            logits=logits.get(j),
+            logits=extras.logits.get(j) if sp.want_logits else None,
+            # scoring reads the raw row on the host, with the reference's own log_softmax
+            score_logprobs=None if sp.score_ids is None else score_logprobs(log_softmax(extras.logits[j]), sp.score_ids),
+            hidden=final_hidden(extras.residual[j], final_norm, eps) if sp.want_hidden else None,
         )
     return results
 
