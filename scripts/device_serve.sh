@@ -11,6 +11,7 @@
 #           time goes to ready.txt beside the cold one), one pass
 #   base    the same against the tree in .stage/base.tar.gz (an earlier commit; BASE_FLAGS)
 #   prefix  the shared-prefix load: a ~2,000-token system prompt, ~150 new tokens, 64 out
+#   baseprefix  the same against the tree in .stage/base.tar.gz
 #   gaps    `ninfer serve --frame-gap-us G` for each G in GAPS (default 250 500 1000), GAP_STREAMS streams
 #   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
 #   tests   the GPU tests (TESTS: pytest arguments)
@@ -76,6 +77,10 @@ fi
 if has prefix; then
   serve_and_bench prefix "$ROOT" "${SERVE_FLAGS:-}" --concurrency ${PREFIX_STREAMS:-16,64} --shared-prefix-tokens 2000 \
     --prompt-tokens 150 --output-tokens 64 --passes 3
+fi
+if has baseprefix; then  # the shared-prefix load against the base tree, same card
+  serve_and_bench baseprefix /tmp/base "${BASE_FLAGS:---activations q8}" --concurrency ${PREFIX_STREAMS:-16,64} \
+    --shared-prefix-tokens 2000 --prompt-tokens 150 --output-tokens 64 --passes 3
 fi
 if has gaps; then  # the frame pacing's A/B on the warm kernel cache: one server per --frame-gap-us value
   for gap in ${GAPS:-250 500 1000}; do
