@@ -174,7 +174,7 @@ class _DiskOverloads:
 
 
 def compiled(factory):
-    """Decorate a kernel factory (a function returning `cuda.jit(...)` of a kernel): memoized
+    """Decorate a kernel factory (a function that returns a numba CUDA kernel): memoized
     per arguments, and every kernel it returns compiles through the disk cache."""
     name = f"{factory.__module__}.{factory.__qualname__}"
 
