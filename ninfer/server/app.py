@@ -5,12 +5,13 @@ route runs: CORS preflights are answered, bodies over `--max-request-mib` are re
 from their Content-Length (before reading them), and, when API keys are set, every path but
 `/health` needs `Authorization: Bearer KEY` or `x-api-key: KEY`; OPTIONS then gets 204 with
 the route's methods. Errors that escape a route (401, 404, 405, 408, 413, 415, bad JSON,
-engine errors) are rendered in the Anthropic shape under `/v1/messages` and in the OpenAI
-shape everywhere else.
+engine errors) are rendered in the Anthropic shape under `/v1/messages`, in FastAPI's shape
+(`{"detail": ...}`, a missing key 403) under `/v1/systemone` and `/systemone`, and in the
+OpenAI shape everywhere else.
 
 Routes here: GET /health, /metrics, /v1/models, /v1/models/{id}. The generation routes are
 in `routes_openai`, `routes_anthropic` and `routes_responses`, the prefill-only routes (/v1/score,
-/v1/rerank, /v1/embeddings) in `routes_scoring`.
+/v1/rerank, /v1/embeddings) in `routes_scoring`, /v1/systemone in `routes_systemone`.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ninfer.protocols import systemone
 from ninfer.protocols.errors import ApiError, ErrorKind
-from ninfer.server import routes_anthropic, routes_openai, routes_responses, routes_scoring
+from ninfer.server import routes_anthropic, routes_openai, routes_responses, routes_scoring, routes_systemone
 from ninfer.server.http_io import error_from_exception, http_api_error, json_response
 from ninfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from ninfer.server.settings import ServerSettings
@@ -38,7 +40,7 @@ OPEN_PATHS = ("/health",)  # never need a key
 # The routes that run the model: `ninfer_route_requests_total{route}` counts their answered requests.
 API_ROUTES = frozenset((
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", routes_scoring.SCORE_ROUTE,
-    routes_scoring.RERANK_ROUTE, routes_scoring.EMBEDDINGS_ROUTE,
+    routes_scoring.RERANK_ROUTE, routes_scoring.EMBEDDINGS_ROUTE, *systemone.ROUTES,
 ))  # fmt: skip
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Statuses of errors raised before the route read all of the request body.
@@ -58,6 +60,7 @@ def create_app(service, settings: ServerSettings, metrics: ServerMetrics) -> Qua
     for routes in (routes_openai, routes_anthropic, routes_responses):
         routes.register(app, service)
     routes_scoring.register(app, service, settings, metrics)
+    routes_systemone.register(app, service, metrics)
     app.asgi_app = _shield_last_send(app.asgi_app)
     return app
 
@@ -87,6 +90,8 @@ def _shield_last_send(asgi_app):
 
 def error_response(error: ApiError) -> Response:
     """An ApiError in the shape of the API the current path belongs to."""
+    if systemone.is_systemone_path(request.path):
+        return routes_systemone.detail_response(error)
     is_anthropic = request.path.startswith(ANTHROPIC_PREFIXES)
     status, body = error.anthropic() if is_anthropic else error.openai()
     response = json_response(body, status)
@@ -119,6 +124,9 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
             raise ApiError(ErrorKind.REQUEST_TOO_LARGE,
                            f"The request body is {length} bytes; the limit is {limit} bytes.")  # fmt: skip
         if keys and request.path not in OPEN_PATHS and not _has_valid_key(keys):
+            if systemone.is_systemone_path(request.path) and not _sent_key():
+                raise ApiError(ErrorKind.AUTHENTICATION, "Not authenticated: send the API key as "
+                               "'Authorization: Bearer KEY' or 'x-api-key: KEY'.", code=systemone.MISSING_KEY_CODE)  # fmt: skip
             raise ApiError(ErrorKind.AUTHENTICATION, "Missing or invalid API key: send it as "
                            "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")  # fmt: skip
         if is_options:
@@ -171,6 +179,12 @@ def _has_valid_key(keys: tuple[bytes, ...]) -> bool:
     candidates.append(request.headers.get("x-api-key", ""))
     # compare_digest on every key: timing does not reveal which key (or prefix) matched.
     return any(hmac.compare_digest(c.encode(), k) for c in candidates if c for k in keys)
+
+
+def _sent_key() -> bool:
+    """Whether the request carries any key (a bearer token or x-api-key), right or wrong."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return bool((scheme.lower() == "bearer" and token.strip()) or request.headers.get("x-api-key"))
 
 
 def _add_cors_headers(response: Response, origins: tuple[str, ...]) -> None:

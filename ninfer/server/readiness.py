@@ -14,6 +14,7 @@ import json
 
 import trio
 
+from ninfer.protocols import systemone
 from ninfer.protocols.errors import ApiError, ErrorKind
 
 RETRY_AFTER_S = 2
@@ -78,7 +79,10 @@ class ReadinessSwitch:
         else:
             error = ApiError(ErrorKind.UNAVAILABLE, f"The model is loading ({self.stage}); retry shortly.",
                              code="model_loading")  # fmt: skip
-            body = (error.anthropic() if path.startswith("/v1/messages") else error.openai())[1]
+            if systemone.is_systemone_path(path):
+                body = systemone.detail_error(error)[1]
+            else:
+                body = (error.anthropic() if path.startswith("/v1/messages") else error.openai())[1]
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                    (b"retry-after", str(RETRY_AFTER_S).encode())]  # fmt: skip

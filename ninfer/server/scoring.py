@@ -18,6 +18,13 @@ prefix cache on and two or more requests, one request of just that prefix runs f
 publishes it; the questions then run `cache_read_only`, reading it without publishing their
 own branches, and each reports the prompt tokens it was served from the cache. At most one
 request per lane is in flight per call, so one call never overflows the queue by itself.
+
+A caller that tokenizes its own questions (`score(call, prepared=...)`, /v1/systemone) may
+branch a question off another's prompt (`PreparedQuestion.branch_len`: its prompt is that
+prompt plus a few tokens, e.g. a two-token label's first token fed before reading the
+second). With the prefix cache on, the requests whose prompt others branch off (the heads)
+run first and publish their prompt; the branches then read it and compute only their own
+tokens.
 Cancelling the caller (a client that disconnects) cancels every request of the call: queued
 ones leave the queue, running ones free their pages within one step.
 
@@ -28,6 +35,7 @@ position reports its final hidden row (`GenerationRequest.want_hidden`: last-tok
 from __future__ import annotations
 
 import logging
+import re
 
 import attrs
 import numpy as np
@@ -51,10 +59,14 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 @attrs.frozen
 class _Question:
-    """A question after templating and tokenizing: its prompt and each candidate's ids."""
+    """A question after templating and tokenizing: its prompt and each candidate's ids.
+
+    `branch_len`: where set, `prompt_ids[:branch_len]` is another question's whole prompt,
+    which this one branches off (see the module's docstring)."""
 
     prompt_ids: tuple[int, ...]
     candidate_ids: tuple[tuple[int, ...], ...]
+    branch_len: int | None = None
 
     @property
     def is_token_form(self) -> bool:
@@ -71,6 +83,9 @@ class _Row:
     request: GenerationRequest
 
 
+PreparedQuestion = _Question  # for callers that tokenize their own questions (`Scorer.score(prepared=...)`)
+
+
 class Scorer:
     """Runs score calls on a GenerationService's engine and model."""
 
@@ -79,13 +94,19 @@ class Scorer:
         self.engine = service.engine
         self.model = service.model
 
-    async def score(self, call: ScoreCall) -> ScoreOutcome:
+    async def score(self, call: ScoreCall, *, prepared: list[_Question | QuestionError] | None = None,
+                    max_rows: int | None = MAX_SCORE_ROWS) -> ScoreOutcome:  # fmt: skip
         """Score every question (raises InvalidRequest for a call that cannot run as sent, the
-        engine's errors when it cannot take work; a question's own failure goes in its slot)."""
-        num_chars = sum(len(q.content) for q in call.questions) + sum(
-            len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in call.messages
-        )
-        prepared = await self.service.in_worker(num_chars, self._prepare, call)
+        engine's errors when it cannot take work; a question's own failure goes in its slot).
+
+        `prepared`: the questions already templated and tokenized (one per question of the
+        call), instead of `_prepare`'s rendering of `call.messages` plus each question;
+        `max_rows`: the most engine requests the call may need (None: the caller bounds it)."""
+        if prepared is None:
+            num_chars = sum(len(q.content) for q in call.questions) + sum(
+                len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in call.messages
+            )
+            prepared = await self.service.in_worker(num_chars, self._prepare, call)
         results: list[QuestionScore | QuestionError | None] = [None] * len(call.questions)
         rows: list[_Row] = []
         for i, item in enumerate(prepared):
@@ -93,19 +114,31 @@ class Scorer:
                 results[i] = item
             else:
                 rows += self._rows(call, i, item, results)
-        if len(rows) > MAX_SCORE_ROWS:
+        if max_rows is not None and len(rows) > max_rows:
             raise InvalidRequest(
                 f"This call needs {len(rows)} scoring requests (one per token-form question, one per candidate of a "
-                f"text-form question); the limit is {MAX_SCORE_ROWS}.", "questions",
+                f"text-form question); the limit is {max_rows}.", "questions",
             )  # fmt: skip
         shared = _common_prefix([row.request.prompt_ids for row in rows])
+        heads, branched = self._branches(rows, prepared)
         prompt_tokens = (shared if rows else 0) + sum(
-            len(row.request.prompt_ids) - shared + (row.request.max_tokens if row.candidate is not None else 0)
-            for row in rows
+            len(row.request.prompt_ids) - branched.get(k, shared)
+            + (row.request.max_tokens if row.candidate is not None else 0)
+            for k, row in enumerate(rows)
         )
         if rows:
-            await self._publish_prefix(call, rows, shared)
-            completions = await self._run([row.request for row in rows])
+            if not any(len(rows[k].request.prompt_ids) <= shared for k in heads):  # else a head publishes it
+                await self._publish_prefix(call, rows, shared)
+            if heads:  # they publish their prompts first; the branches read them
+                first = await self._run([attrs.evolve(rows[k].request, cache_read_only=False) for k in heads])
+                first_ones = set(heads)
+                rest = [k for k in range(len(rows)) if k not in first_ones]
+                later = await self._run([rows[k].request for k in rest])
+                completions: list = [None] * len(rows)
+                for k, done in [*zip(heads, first, strict=True), *zip(rest, later, strict=True)]:
+                    completions[k] = done
+            else:
+                completions = await self._run([row.request for row in rows])
             by_question: dict[int, list] = {}
             for row, done in zip(rows, completions, strict=True):
                 by_question.setdefault(row.question, []).append((row, done))
@@ -155,6 +188,22 @@ class Scorer:
                                      code="context_length_exceeded")  # fmt: skip
             out.append(ids)
         return out
+
+    def _branches(self, rows: list[_Row], prepared: list) -> tuple[list[int], dict[int, int]]:
+        """(the rows others branch off, which run first and publish: with the prefix cache on;
+        {branching row: the length of the prompt it branches off})."""
+        branch_of: dict[int, tuple[int, ...]] = {}
+        for k, row in enumerate(rows):
+            cut = prepared[row.question].branch_len
+            if cut is not None and cut < len(row.request.prompt_ids):
+                branch_of[k] = row.request.prompt_ids[:cut]
+        if not branch_of:
+            return [], {}
+        bases = set(branch_of.values())
+        heads = [k for k, row in enumerate(rows) if k not in branch_of and row.request.prompt_ids in bases]
+        found = {rows[k].request.prompt_ids for k in heads}
+        branched = {k: len(base) for k, base in branch_of.items() if base in found}
+        return (heads if self.engine.config.prefix_cache else []), branched
 
     # ---- preparing -------------------------------------------------------------------
 
@@ -299,6 +348,12 @@ class Scorer:
         return tuple((int(t), self._text(t), float(lp)) for t, lp in top)
 
 
+def thinking_off_kwargs(template) -> dict[str, bool]:
+    """The chat template kwargs that turn a reasoning model's thinking off, where its template
+    reads them (Qwen3's and SmolLM3's `enable_thinking`); {} for other templates."""
+    return {"enable_thinking": False} if re.search(r"\benable_thinking\b", template.source) else {}
+
+
 def _raise_if_cancelled(done: Completion) -> None:
     """A request the engine cancelled (a shutdown) ends the call with 503."""
     if done.finished.reason is FinishReason.CANCELLED:
@@ -319,8 +374,13 @@ def _common_prefix(prompts: list[tuple[int, ...]]) -> int:
     first = prompts[0]
     n = min(len(p) for p in prompts)
     for p in prompts[1:]:
-        k = 0
-        while k < n and p[k] == first[k]:
-            k += 1
-        n = k
+        if p[:n] != first[:n]:  # bisect on slices: compared in C, not token by token
+            lo, hi = 0, n  # p[:lo] == first[:lo], p[:hi] != first[:hi]
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if p[:mid] == first[:mid]:
+                    lo = mid
+                else:
+                    hi = mid
+            n = lo
     return n
