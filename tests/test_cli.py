@@ -10,7 +10,7 @@ import sys
 import pytest
 
 NINFER = [sys.executable, "-m", "ninfer.cli.main"]
-COMMANDS = ("serve", "generate", "chat", "pull", "models", "bench", "simulate")
+COMMANDS = ("serve", "generate", "chat", "pull", "models", "bench", "simulate", "score", "export-hidden")
 
 
 def ninfer(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -138,7 +138,7 @@ def test_invalid_flag_values_are_one_line(flags, needle):
 
 
 BAD_FLAG_COMMANDS = {"serve": [], "generate": ["-p", "hi"], "chat": [], "pull": [], "models": [], "bench": [],
-                     "simulate": []}  # fmt: skip
+                     "simulate": [], "score": ["text.txt"], "export-hidden": ["text.txt", "-o", "out"]}  # fmt: skip
 
 
 @pytest.mark.parametrize("command", BAD_FLAG_COMMANDS)

@@ -1,4 +1,4 @@
-"""The `ninfer` command: serve, generate, chat, pull, models, bench, simulate."""
+"""The `ninfer` command: serve, generate, chat, pull, models, bench, simulate, score, export-hidden."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ examples:
   ninfer chat
   ninfer pull && ninfer models
   ninfer bench serve --url http://127.0.0.1:8080   # load a running server
+  ninfer score book.txt                # perplexity of a text (or a .jsonl corpus)
 run `ninfer COMMAND --help` for each command's options."""
 
 # Sub-commands by module; each module has add_parser(subparsers) (or add_parsers).
 COMMAND_MODULES = (
     "ninfer.cli.serve", "ninfer.cli.generate", "ninfer.cli.chat", "ninfer.cli.models",
-    "ninfer.cli.bench", "ninfer.cli.simulate",
+    "ninfer.cli.bench", "ninfer.cli.simulate", "ninfer.cli.score", "ninfer.cli.export_hidden",
 )  # fmt: skip
 
 

@@ -47,6 +47,14 @@ class SampleSpec:
     reports in `SampledToken.score_logprobs`, in the same order, whatever is sampled. With
     `allowed` set to a single token and greedy params, a row is teacher-forced: the sampled
     token is that token and its `logprob` is its raw log-probability.
+
+    Every position of the row (offline scoring, `ninfer score` / `ninfer export-hidden`), not
+    only its last: `want_all_logits` returns `SampledToken.all_logits`, the raw logits after
+    each of the row's tokens; `hidden_layers` returns `SampledToken.layer_hidden`, the hidden
+    rows of those layers at each of the row's tokens: layer k (0 .. num_layers - 1) is the
+    residual stream after decoder block k, -1 the final hidden row (rmsnorm(x) * final_norm,
+    the head's input; what `want_hidden` gives for the last position). Only rows that ask pay
+    for it.
     """
 
     params: SamplingParams
@@ -59,6 +67,8 @@ class SampleSpec:
     want_logits: bool = False  # return the raw float32 logits row (tests, scoring)
     score_ids: np.ndarray | None = None  # int32 [k]: report these ids' raw log-probabilities
     want_hidden: bool = False  # return the final hidden row: rmsnorm(x) * final_norm, the head's input
+    want_all_logits: bool = False  # return the logits at every position of the row (all_logits)
+    hidden_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # layer_hidden: these layers, -1 = final
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -79,6 +89,12 @@ class SampledToken:
     logits: np.ndarray | None = None  # float32 [vocab] when SampleSpec.want_logits
     score_logprobs: np.ndarray | None = None  # float32 [k]: of SampleSpec.score_ids, in order
     hidden: np.ndarray | None = None  # float32 [d_model] when SampleSpec.want_hidden
+    # float32 [n, vocab] when SampleSpec.want_all_logits: row i is the logits after token_ids[i]
+    # (it predicts the token at position start_pos + i + 1); the last row is the sampled position's
+    all_logits: np.ndarray | None = None
+    # float32 [len(hidden_layers), n, d_model] when SampleSpec.hidden_layers: [j, i] is layer
+    # hidden_layers[j]'s hidden row at token_ids[i]
+    layer_hidden: np.ndarray | None = None
 
 
 @attrs.frozen(eq=False)
@@ -98,6 +114,13 @@ class Pending:
 
     rows: Sequence[StepRow]
     state: object = None  # the runner's own: the launched sub-steps, or a synchronous runner's results
+
+
+def check_hidden_layers(layers: Sequence[int], num_layers: int) -> None:
+    """Raise ValueError unless every index is a layer (0 .. num_layers - 1) or -1 (final)."""
+    for layer in layers:
+        if not (layer == -1 or 0 <= layer < num_layers):
+            raise ValueError(f"hidden layer {layer} is not one of 0 .. {num_layers - 1} or -1 (the final hidden row)")
 
 
 def next_position(row: StepRow) -> int:

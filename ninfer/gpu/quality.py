@@ -6,6 +6,9 @@ at every position: top-1 agreement, mean KL(a || b) per token, and each one's pe
 the text. `greedy_agreement` lets both generate greedily from one prompt and reports how long
 they agree. Any `Runner` works: the CUDA runner with `q8` against `f32`, either against the
 numpy reference.
+
+`token_logprobs` and `kl_rows` are the same figures over many logits rows at once (float64,
+a block of rows at a time): what `ninfer score` reports for a corpus.
 """
 
 from __future__ import annotations
@@ -37,6 +40,43 @@ class Agreement:
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64) - logits.max()
     return z - np.log(np.exp(z).sum())
+
+
+_BLOCK = 64  # logits rows converted to float64 at a time
+
+
+def log_softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """float64 log_softmax of each row of [n, vocab] logits."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def token_logprobs(logits: np.ndarray, targets: Sequence[int]) -> np.ndarray:
+    """float64 [n]: log-probability of targets[i] under row i of [n, vocab] logits."""
+    logits = np.asarray(logits)
+    targets = np.asarray(targets, np.int64)
+    if logits.shape[0] != targets.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for {targets.shape[0]} targets")
+    out = np.empty(targets.shape[0], np.float64)
+    for lo in range(0, targets.shape[0], _BLOCK):
+        lp = log_softmax_rows(logits[lo : lo + _BLOCK])
+        out[lo : lo + _BLOCK] = lp[np.arange(lp.shape[0]), targets[lo : lo + _BLOCK]]
+    return out
+
+
+def kl_rows(logits_a: np.ndarray, logits_b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(KL(a || b) [n] in nats, argmax agreement [n] bool) of two [n, vocab] logits arrays,
+    row by row: a is the reference distribution, as in `compare`."""
+    if logits_a.shape != logits_b.shape:
+        raise ValueError(f"logits of shape {logits_a.shape} and {logits_b.shape} cannot be compared")
+    n = logits_a.shape[0]
+    kl, same = np.empty(n, np.float64), np.empty(n, bool)
+    for lo in range(0, n, _BLOCK):
+        lp_a, lp_b = log_softmax_rows(logits_a[lo : lo + _BLOCK]), log_softmax_rows(logits_b[lo : lo + _BLOCK])
+        kl[lo : lo + _BLOCK] = (np.exp(lp_a) * (lp_a - lp_b)).sum(axis=1)
+        same[lo : lo + _BLOCK] = lp_a.argmax(axis=1) == lp_b.argmax(axis=1)
+    return kl, same
 
 
 def _pages(runner: Runner, num_tokens: int) -> np.ndarray:

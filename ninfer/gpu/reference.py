@@ -18,6 +18,10 @@ The forward is the plain dense decoder (llama / qwen2 / qwen3), computed in floa
     logits = (rmsnorm(x) * final_norm) @ head.T          only at rows' last positions
                                                          (the hidden row, when a row wants it)
 
+A row whose SampleSpec asks for them also gets the logits of every position
+(`want_all_logits`) and the residual x after chosen layers at every position
+(`hidden_layers`; -1 = the final hidden row).
+
 All rows' tokens go through each linear as one [T, d] matmul (BLAS); only attention loops over
 rows. Weights are dequantized once at construction. The KV pool holds, per layer,
 `k[num_pages, page_size, num_kv_heads, head_dim]` and `v` alike; position p of a row lives in
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ninfer.core.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit
+from ninfer.core.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit, check_hidden_layers
 from ninfer.gpu import sampling
 from ninfer.models.spec import ModelSpec
 from ninfer.models.weights import ModelWeights
@@ -116,9 +120,13 @@ class ReferenceRunner(SyncSubmit):
         batch = self._plan(rows)
         tokens = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in rows])
         x = self._embed[tokens]
+        kept = {k for row in rows if row.sample is not None for k in row.sample.hidden_layers if k >= 0}
+        layer_x = {}  # layer -> its output x [T, d] (each layer makes a new array)
         for index, layer in enumerate(self._layers):
             x = self._layer_forward(index, layer, x, rows, batch)
-        return self._sample(x, rows, batch)
+            if index in kept:
+                layer_x[index] = x
+        return self._sample(x, rows, batch, layer_x)
 
     def _layer_forward(self, index: int, layer: _Layer, x: np.ndarray, rows, batch: _Batch) -> np.ndarray:
         spec = self.spec
@@ -189,7 +197,8 @@ class ReferenceRunner(SyncSubmit):
         out = softmax(scores) @ values.transpose(0, 2, 1, 3)  # [R, KV, G, hd]
         return out.reshape(num_rows, spec.q_dim)
 
-    def _sample(self, x: np.ndarray, rows: Sequence[StepRow], batch: _Batch) -> list[SampledToken | None]:
+    def _sample(self, x: np.ndarray, rows: Sequence[StepRow], batch: _Batch,
+                layer_x: dict[int, np.ndarray]) -> list[SampledToken | None]:  # fmt: skip
         wanted = [r for r, row in enumerate(rows) if row.sample is not None]
         results: list[SampledToken | None] = [None] * len(rows)
         if not wanted:
@@ -197,10 +206,21 @@ class ReferenceRunner(SyncSubmit):
         x_last = x[batch.row_starts[1:][wanted] - 1]
         logits = self._head_logits(x_last)
         for r, row_x, row_logits in zip(wanted, x_last, logits, strict=True):
-            results[r] = sampling.sample(row_logits, rows[r].sample)
-            if rows[r].sample.want_hidden:
-                hidden = rms_norm(row_x, self._final_norm, self.spec.rms_eps).astype(np.float32)
-                results[r] = attrs.evolve(results[r], hidden=hidden)
+            spec = rows[r].sample
+            results[r] = sampling.sample(row_logits, spec)
+            extra = {}
+            if spec.want_hidden:
+                extra["hidden"] = rms_norm(row_x, self._final_norm, self.spec.rms_eps).astype(np.float32)
+            lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+            if spec.want_all_logits:
+                extra["all_logits"] = self._head_logits(x[lo:hi])
+            if spec.hidden_layers:
+                extra["layer_hidden"] = np.stack([
+                    layer_x[k][lo:hi] if k >= 0 else rms_norm(x[lo:hi], self._final_norm, self.spec.rms_eps)
+                    for k in spec.hidden_layers
+                ]).astype(np.float32, copy=False)  # fmt: skip
+            if extra:
+                results[r] = attrs.evolve(results[r], **extra)
         return results
 
     def _head_logits(self, x_last: np.ndarray) -> np.ndarray:
@@ -217,6 +237,8 @@ class ReferenceRunner(SyncSubmit):
                 raise ValueError(f"row of sequence {row.seq_id} has no tokens")
             if table.shape[0] * self.page_size < num_ctx:
                 raise ValueError(f"sequence {row.seq_id}: {table.shape[0]} pages cannot hold {num_ctx} positions")
+            if row.sample is not None and row.sample.hidden_layers:
+                check_hidden_layers(row.sample.hidden_layers, self.spec.num_layers)
             positions.append(np.arange(row.start_pos, num_ctx, dtype=np.int64))
             pages.append(table[positions[-1] // self.page_size])
         all_positions = np.concatenate(positions)

@@ -724,6 +724,52 @@ def check_runner(scale, rng):
                 epi.close()
 
 
+def check_positions(scale, rng):
+    """Outputs at every position (SampleSpec.want_all_logits, hidden_layers) against the
+    reference: a row split over sub-steps (max_tokens_per_step) beside a row that asks for
+    nothing more, layers 0, the last and -1 (eager, hooked after those layers); then a decode
+    step on a q8 runner (the head's q8 path)."""
+    from ninfer.core.params import SamplingParams
+    from ninfer.core.runner import SampleSpec, StepRow
+    from ninfer.gpu.cuda.random_model import random_model, random_spec
+    from ninfer.gpu.cuda.runner import CudaRunner
+    from ninfer.gpu.reference import ReferenceRunner
+
+    greedy = SamplingParams(temperature=0.0)
+    spec = random_spec("tiny", arch="llama")
+    model = random_model(spec, "Q4_1", seed=int(rng.integers(1 << 30)))
+    layers = (0, spec.num_layers - 1, -1)
+    asks = SampleSpec(params=greedy, seed=0, token_index=0, want_all_logits=True, hidden_layers=layers)
+    plain = SampleSpec(params=greedy, seed=0, token_index=0, want_logits=True)
+    tables = [np.arange(4, dtype=np.int32) + 4 * r for r in range(3)]
+    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in (9, 3)]
+    rows = [StepRow(seq_id=r, token_ids=p, start_pos=0, page_table=tables[r], sample=s)
+            for r, (p, s) in enumerate(zip(prompts, (asks, plain)))]  # fmt: skip
+    cr = CudaRunner(model, num_pages=16, page_size=4, max_batch_rows=4, max_tokens_per_step=6, activations="f32",
+                    kv_dtype=np.float32, split_len=8)  # fmt: skip
+    rr = ReferenceRunner(model, num_pages=16, page_size=4)
+    (g0, g1), (w0, w1) = cr.step(rows), rr.step(rows)
+    cr.close()
+    _close(g0.all_logits, w0.all_logits, 2e-3, "all_logits of a row over two sub-steps")
+    _close(g0.layer_hidden, w0.layer_hidden, 2e-3, "layer_hidden (0, last, -1)")
+    _close(g1.logits, w1.logits, 2e-3, "the plain row's logits")
+    if g1.all_logits is not None or g1.layer_hidden is not None or g0.token_id != w0.token_id:
+        raise AssertionError("a row that asks for nothing got every-position outputs, or the tokens differ")
+    # a one-token row on a q8 runner (the head's q8 path), beside a row that asks for nothing
+    spec1 = random_spec("tiny", arch="llama", num_layers=1)  # the simulator is slow: one layer will do
+    model1 = random_model(spec1, "Q4_1", seed=int(rng.integers(1 << 30)))
+    one = SampleSpec(params=greedy, seed=0, token_index=0, want_all_logits=True)
+    rows = [StepRow(seq_id=r, token_ids=prompts[0][r : r + 1], start_pos=0, page_table=tables[r],
+                    sample=one if r == 1 else plain) for r in range(2)]  # fmt: skip
+    q8 = CudaRunner(model1, num_pages=16, page_size=4, max_batch_rows=2, activations="q8", kv_dtype=np.float32,
+                    split_len=8)  # fmt: skip
+    got, want = q8.step(rows), ReferenceRunner(model1, num_pages=16, page_size=4).step(rows)
+    q8.close()
+    if got[1].all_logits.shape != (1, spec1.vocab_size) or got[0].all_logits is not None:
+        raise AssertionError("q8: all_logits on the wrong rows of a decode step")
+    _close(got[1].all_logits, want[1].all_logits, 3e-2, "q8: all_logits of a decode row (the head's q8 path)")
+
+
 def check_lookahead(scale, rng):
     """Steps submitted one ahead with `feed` (tokens = the step before's samples, which embed
     reads on the device) give exactly the tokens, log-probabilities and top lists of steps

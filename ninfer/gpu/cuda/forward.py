@@ -89,7 +89,10 @@ class Forward:
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
         self._posts = [self._post_args(layer) for layer in model.layers]
 
-    def launch(self, step: StepPlan, stream) -> None:
+    def launch(self, step: StepPlan, stream, after_layer=None) -> None:
+        """Queue the step's kernels; `after_layer(i)`, when given, is called once layer i's are
+        queued (the residual x then holds that layer's output: per-layer hidden rows, eager
+        launches only)."""
         b = self.bufs
         act = "q8" if (self.q8 and step.act == "q8") else "f32"
         t = step.num_tokens
@@ -127,6 +130,8 @@ class Forward:
             else:
                 swiglu.swiglu(b.gate_up, b.xq8 if act == "q8" else b.h, b.xs, t, act, stream)
                 self._linear((layer.w_down,), t, act, b.x, b.x, stream)
+            if after_layer is not None:
+                after_layer(i)
         self._head(step, stream)
 
     def _row(self, k: int, bits: int = 8):

@@ -8,6 +8,8 @@ forward pass and the sampled tokens' copy back, as a CUDA graph captured once pe
 and mirror set (one graph launch a step on the host), or eagerly, and records an event that
 `collect` waits on. Two mirror sets let `submit` stage and launch step N + 1 while step N still
 runs; with `feed` its embedding gathers step N's samples where the sampler left them.
+Rows that ask for outputs at every position (all logits, per-layer hidden rows) get them
+through `positions.py`; other rows' steps are untouched.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import attrs
 import numpy as np
 from numba import cuda
 
 from ninfer.gpu import sampling
-from ninfer.gpu.cuda import pages
+from ninfer.gpu.cuda import pages, positions
 from ninfer.gpu.cuda.buffers import MIRRORS, Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
@@ -28,16 +31,17 @@ from ninfer.gpu.cuda.plan import KernelPlan
 from ninfer.gpu.cuda.staging import (
     Extras, Piece, Staged, download, fetch_outputs, plan_pieces, queue_extras, stage_inputs, upload,
 )
-from ninfer.core.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed, with_tokens
+from ninfer.core.runner import PageSnapshot, Pending, SampledToken, StepRow, check_feed, check_hidden_layers, with_tokens
 
 
 class _Sub:
     """One launched sub-step: what `collect` needs to wrap its results."""
 
-    __slots__ = ("rows", "batch", "staged", "mirror", "extras", "results")
+    __slots__ = ("rows", "batch", "staged", "mirror", "extras", "positions", "results")
 
-    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, extras: Extras):
+    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, extras: Extras, positions: dict):
         self.rows, self.batch, self.staged, self.mirror, self.extras = rows, batch, staged, mirror, extras
+        self.positions = positions  # piece index -> its every-position outputs (positions.queue_positions)
         self.results: list[SampledToken | None] | None = None
 
 
@@ -172,10 +176,17 @@ class CudaRunner:
     def collect(self, pending: Pending) -> list[SampledToken | None]:
         """Wait for a submitted step (not for any submitted after it); one result per row."""
         results: list[SampledToken | None] = [None] * len(pending.rows)
+        every: dict[int, list[dict]] = {}  # row -> its pieces' every-position outputs, in order
         for sub in pending.state:
             for piece, token in zip(sub.batch, self._fetch(sub), strict=True):
                 if token is not None:
                     results[piece.row] = token
+            for i, entry in sub.positions.items():
+                every.setdefault(sub.batch[i].row, []).append(entry)
+        for r, entries in every.items():
+            if results[r] is not None:
+                fields = positions.assemble(pending.rows[r].sample, entries, self._final_norm, self.spec.rms_eps)
+                results[r] = attrs.evolve(results[r], **fields)
         return results
 
     def warm_up(self, *, max_rows: int, max_context: int | None = None, progress: bool = False) -> int:
@@ -271,7 +282,11 @@ class CudaRunner:
             self._fetch(owner)  # its outputs out of the mirror before this sub-step reuses it
         self.bufs.use_mirror(m)
         decode = all(p.count == 1 for p in batch)
-        key = (*self._graph_key(rows, batch, decode), m, feed) if self.use_graphs else None
+        asks = positions.any_asks(rows, batch)  # rows that want outputs at every position (positions.py)
+        hooked = positions.hooked_layers(rows, batch) if asks else frozenset()  # eager, hooked after those layers
+        layer_rows: dict[int, np.ndarray] = {}
+        after_layer = positions.layer_hook(self.bufs, rows, batch, hooked, self.stream, layer_rows) if hooked else None
+        key = (*self._graph_key(rows, batch, decode), m, feed) if self.use_graphs and not hooked else None
         pad_rows, pad_tokens = (key[1], key[2]) if key else (None, None)
         staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
         splits = key[3] if key else self._splits(_longest(rows, batch))
@@ -282,7 +297,7 @@ class CudaRunner:
         def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
             if copies:
                 upload(self.bufs, staged, self.stream)
-            self.forward.launch(plan, self.stream)
+            self.forward.launch(plan, self.stream, after_layer)
             if copies:
                 download(self.bufs, staged, self.stream)
 
@@ -304,7 +319,9 @@ class CudaRunner:
             self.bufs.use_mirror(m)
         if not copies:
             download(self.bufs, staged, self.stream)
-        sub = _Sub(rows, batch, staged, m, queue_extras(self.bufs, rows, batch, staged, self.stream))
+        extras = queue_extras(self.bufs, rows, batch, staged, self.stream)
+        every = positions.queue_positions(self.forward, self.bufs, rows, batch, layer_rows, self.stream) if asks else {}
+        sub = _Sub(rows, batch, staged, m, extras, every)
         self._events[m].record(self.stream)
         self._owners[m] = sub
         return sub
@@ -348,6 +365,8 @@ class CudaRunner:
             s = row.sample
             if s is not None and s.allowed is not None and not np.asarray(s.allowed, bool).any():
                 raise sampling.NoAllowedToken("the grammar allows no next token, so nothing can be sampled")
+            if s is not None and s.hidden_layers:
+                check_hidden_layers(s.hidden_layers, self.spec.num_layers)
             if s is not None and s.score_ids is not None:
                 ids = np.asarray(s.score_ids)
                 if ids.size and (ids.min() < 0 or ids.max() >= self.spec.vocab_size):
