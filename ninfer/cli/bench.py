@@ -32,27 +32,17 @@ import time
 
 import numpy as np
 
-from ninfer.cli.common import add_model_arguments, positive_int
+from ninfer.cli.common import add_model_arguments, positive_int, positive_int_list
 
 ANCHORS = {"llamacpp-h200": {"decode": {1: 959, 4: 2707, 16: 4810, 64: 11673}, "prefill": {512: 51000}}}
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("bench", help="measure decode / prefill throughput", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     add_model_arguments(parser, activations=True)
-    parser.add_argument("--streams", type=_int_list, default=[1, 4, 16, 64], help="decode batch sizes (1,4,16,64)")
-    parser.add_argument("--prompt-lens", type=_int_list, default=[512, 4096], help="prefill lengths (512,4096)")
+    parser.add_argument("--streams", type=positive_int_list, default=[1, 4, 16, 64], help="decode batch sizes (1,4,16,64)")
+    parser.add_argument("--prompt-lens", type=positive_int_list, default=[512, 4096], help="prefill lengths (512,4096)")
     parser.add_argument("--decode-tokens", type=positive_int, default=128, help="tokens per stream (128)")
     parser.add_argument("--decode-prompt", type=positive_int, default=128, help="prompt tokens per stream (128)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed repeats; the median counts (3)")

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from ninfer.cli.common import CommandParser, positive_int
+from ninfer.cli.common import CommandParser, positive_int, positive_int_list
 
 _WORDS = (
     "time year people way day man thing woman life child world school state family student group "
@@ -43,23 +43,13 @@ _WORDS = (
 ).split()
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--url", default="http://127.0.0.1:8080", help="the server's base URL (http://127.0.0.1:8080)")
     parser.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--api", choices=("chat", "completions"), default="chat",
                         help="/v1/chat/completions or /v1/completions (chat)")  # fmt: skip
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64],
+    parser.add_argument("--concurrency", type=positive_int_list, default=[1, 4, 16, 64],
                         help="concurrency levels: requests in flight at once (1,4,16,64)")  # fmt: skip
     parser.add_argument("--request-rate", type=float, default=None,
                         help="requests a second, Poisson arrivals, instead of fixed concurrency levels")  # fmt: skip

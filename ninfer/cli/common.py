@@ -47,6 +47,17 @@ def _typed(convert: Callable, check: Callable[[object], bool], what: str):
 
 
 positive_int = _typed(int, lambda v: v > 0, "a positive integer")
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated positive integers, e.g. `1,4,16,64` (argparse type)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 context_tokens = _typed(int, lambda v: v >= MIN_CONTEXT, f"an integer >= {MIN_CONTEXT}")
 non_negative_int = _typed(int, lambda v: v >= 0, "an integer >= 0")
 unit_float = _typed(float, lambda v: 0.0 <= v <= 1.0, "a number between 0 and 1")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ninfer.cli.common import positive_int_list
+
 DESCRIPTION = """\
 Replay a synthetic workload against the real scheduler and a fake runner whose steps cost
 what the cost model says, in virtual time, so scheduling policy can be tuned without a GPU.
@@ -77,16 +79,6 @@ def _fraction(text):
     return value
 
 
-def _int_list(text):
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     pos_int, pos_float = _positive(int, "a positive integer"), _positive(float, "a positive number")
     parser.add_argument("--workload", choices=WORKLOADS, default="poisson",
@@ -103,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--cancel-fraction", type=_fraction, help="share of clients that leave early (0.05)")
     load.add_argument("--cancel-after", type=pos_float, help="mean seconds before they leave (2)")
     burst = parser.add_argument_group("--workload burst")
-    burst.add_argument("--arrivals", type=_int_list, metavar="N[,N...]",
+    burst.add_argument("--arrivals", type=positive_int_list, metavar="N[,N...]",
                        help="requests arriving at once; a list replays each count (16,64)")  # fmt: skip
     burst.add_argument("--shared-prefix-tokens", type=pos_int, help="the prefix every request shares (2000)")
     burst.add_argument("--suffix-tokens", type=pos_int, help="mean length of each request's own suffix (150)")
