@@ -37,11 +37,11 @@ from ninfer.core.runner import PageSnapshot, Pending, SampledToken, StepRow, che
 class _Sub:
     """One launched sub-step: what `collect` needs to wrap its results."""
 
-    __slots__ = ("rows", "batch", "staged", "mirror", "extras", "positions", "results")
+    __slots__ = ("rows", "batch", "staged", "mirror", "extras", "every", "results")
 
-    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, extras: Extras, positions: dict):
+    def __init__(self, rows, batch: list[Piece], staged: Staged, mirror: int, extras: Extras, every: dict):
         self.rows, self.batch, self.staged, self.mirror, self.extras = rows, batch, staged, mirror, extras
-        self.positions = positions  # piece index -> its every-position outputs (positions.queue_positions)
+        self.every = every  # piece index -> its outputs at every position (positions.queue_positions)
         self.results: list[SampledToken | None] | None = None
 
 
@@ -181,7 +181,7 @@ class CudaRunner:
             for piece, token in zip(sub.batch, self._fetch(sub), strict=True):
                 if token is not None:
                     results[piece.row] = token
-            for i, entry in sub.positions.items():
+            for i, entry in sub.every.items():
                 every.setdefault(sub.batch[i].row, []).append(entry)
         for r, entries in every.items():
             if results[r] is not None:
