@@ -14,6 +14,8 @@
 #   baseprefix  the same against the tree in .stage/base.tar.gz
 #   gaps    `ninfer serve --frame-gap-us G` for each G in GAPS (default 250 500 1000), GAP_STREAMS streams
 #   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
+#   rerank  scripts/bench_rerank.py (RERANK_DOCS documents, default 256) against `ninfer serve` of this tree
+#   score   `ninfer score` of the held-out text: f32 vs q8 (decode path) and vs the CPU reference backend
 #   tests   the GPU tests (TESTS: pytest arguments)
 #   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
 #           staged GGUF; `--random smollm2-135m` needs no model file)
@@ -43,24 +45,31 @@ if [ -f .stage/new.tar.gz ]; then
 fi
 ninfer() { local tree=$1; shift; PYTHONPATH=/tmp/site:$tree python3 -m ninfer.cli.main "$@"; }
 
-# serve_and_bench LABEL TREE "SERVE FLAGS" BENCH ARGS...: start, wait for /health, bench, stop
-serve_and_bench() {
-  local label=$1 tree=$2 flags=$3; shift 3
-  local port=$((8100 + RANDOM % 800)) t0=$(date +%s%N)
-  (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec python3 -m ninfer.cli.main serve "$GGUF" --port $port \
+# start_server LABEL TREE "SERVE FLAGS": start `ninfer serve`, wait for /health; sets PORT and PID
+start_server() {
+  local label=$1 tree=$2 flags=$3 t0=$(date +%s%N)
+  PORT=$((8100 + RANDOM % 800))
+  (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec python3 -m ninfer.cli.main serve "$GGUF" --port $PORT \
      --max-concurrency 64 $flags > "$OUT/serve_$label.log" 2>&1) &
-  local pid=$!
+  PID=$!
   for _ in $(seq ${READY_S:-300}0); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$port/health)" = 200 ] && break
-    kill -0 $pid 2>/dev/null || break
+    [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$PORT/health)" = 200 ] && break
+    kill -0 $PID 2>/dev/null || break
     sleep 0.1
   done
   echo "$label: ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms; $(grep -o 'warmed up.*' "$OUT/serve_$label.log" | tail -1)" \
     | tee -a "$OUT/ready.txt"
+}
+stop_server() { kill -INT $PID 2>/dev/null; sleep 2; kill -9 $PID 2>/dev/null; wait $PID 2>/dev/null; }
+
+# serve_and_bench LABEL TREE "SERVE FLAGS" BENCH ARGS...: start, wait for /health, bench, stop
+serve_and_bench() {
+  local label=$1 tree=$2 flags=$3; shift 3
+  start_server "$label" "$tree" "$flags"
   PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_SERVE_S:-240} python3 -m ninfer.cli.main bench serve \
-    --url http://127.0.0.1:$port --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
+    --url http://127.0.0.1:$PORT --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
     | sed "s/^/$label /" | tee -a "$OUT/served.txt"
-  kill -INT $pid 2>/dev/null; sleep 2; kill -9 $pid 2>/dev/null; wait $pid 2>/dev/null
+  stop_server
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -98,6 +107,21 @@ if has host; then
       --no-ignore-eos 2>/dev/null | sed "s/^/host-$(basename $tree) /" | tee -a "$OUT/host.txt"
     kill -9 $pid; wait $pid 2>/dev/null
   done
+fi
+if has rerank; then  # one query against RERANK_DOCS documents of ~200 tokens, through /v1/rerank
+  start_server rerank "$ROOT" "${SERVE_FLAGS:-}"
+  PYTHONPATH=/tmp/site:$ROOT timeout ${RERANK_S:-300} python3 "$ROOT/scripts/bench_rerank.py" --url http://127.0.0.1:$PORT \
+    --documents ${RERANK_DOCS:-256} --json "$OUT/rerank.json" 2>&1 | tee "$OUT/rerank.txt"
+  stop_server
+fi
+if has score; then  # ninfer score: f32 vs q8 through the decode path (KL, top-1, perplexities)
+  python3 -c "import sys; sys.path.insert(0, 'tests'); from heldout import HELDOUT_TEXT; print(HELDOUT_TEXT)" > /tmp/heldout.txt
+  ninfer "$ROOT" score /tmp/heldout.txt "$GGUF" --activations f32 --decode-path --save-logits /tmp/f32.safetensors \
+    --no-progress 2>&1 | tail -n 8 | tee "$OUT/score.txt"
+  ninfer "$ROOT" score /tmp/heldout.txt "$GGUF" --activations q8 --decode-path --reference-logits /tmp/f32.safetensors \
+    --no-progress 2>&1 | tail -n 12 | tee -a "$OUT/score.txt"
+  ninfer "$ROOT" score /tmp/heldout.txt "$GGUF" --backend reference --reference-logits /tmp/f32.safetensors \
+    --no-progress 2>&1 | tail -n 12 | tee -a "$OUT/score.txt"
 fi
 if has tests; then
   PYTHONPATH=/tmp/site:$ROOT timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_gpu_quality.py} 2>&1 \
