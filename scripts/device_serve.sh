@@ -16,6 +16,7 @@
 #   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
 #   rerank  scripts/bench_rerank.py (RERANK_DOCS documents, default 256) against `ninfer serve` of this tree
 #   score   `ninfer score` of the held-out text: f32 vs q8 (decode path) and vs the CPU reference backend
+#   warmprof  tools/warmup_profile.py twice (cold, then warm kernel cache): cProfile of the warm-up
 #   tests   the GPU tests (TESTS: pytest arguments)
 #   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
 #           staged GGUF; `--random smollm2-135m` needs no model file)
@@ -122,6 +123,13 @@ if has score; then  # ninfer score: f32 vs q8 through the decode path (KL, top-1
     --no-progress 2>&1 | tail -n 12 | tee -a "$OUT/score.txt"
   ninfer "$ROOT" score /tmp/heldout.txt "$GGUF" --backend reference --reference-logits /tmp/f32.safetensors \
     --no-progress 2>&1 | tail -n 12 | tee -a "$OUT/score.txt"
+fi
+if has warmprof; then  # where warm-up goes: twice (an empty kernel cache, then the filled one)
+  for run in cold warm; do
+    (cd "$ROOT" && PYTHONPATH=/tmp/site:$ROOT timeout 300 python3 -m tools.warmup_profile "$GGUF" --out "$OUT/warm_$run.prof" \
+      2>&1 | head -n 90) > "$OUT/warmprof_$run.txt"
+    head -n 1 "$OUT/warmprof_$run.txt"
+  done
 fi
 if has tests; then
   PYTHONPATH=/tmp/site:$ROOT timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_gpu_quality.py} 2>&1 \
