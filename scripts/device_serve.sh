@@ -126,7 +126,7 @@ if has score; then  # ninfer score: f32 vs q8 through the decode path (KL, top-1
 fi
 if has warmprof; then  # where warm-up goes: twice (an empty kernel cache, then the filled one)
   for run in cold warm; do
-    (cd "$ROOT" && PYTHONPATH=/tmp/site:$ROOT timeout 300 python3 -m tools.warmup_profile "$GGUF" --out "$OUT/warm_$run.prof" \
+    (cd "$ROOT" && NINFER_CACHE_DIR=/tmp/ninfer-cache-prof PYTHONPATH=/tmp/site:$ROOT timeout 300 python3 -m tools.warmup_profile "$GGUF" --out "$OUT/warm_$run.prof" \
       2>&1 | head -n 90) > "$OUT/warmprof_$run.txt"
     head -n 1 "$OUT/warmprof_$run.txt"
   done
