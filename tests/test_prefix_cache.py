@@ -300,6 +300,29 @@ def publish_prompts(cache, runner, pool, prompts):
         finish(cache, pool, seq)
 
 
+def test_progress_resumes_after_its_chain_was_evicted(model):
+    """A running sequence publishes its pages as they complete, hashing only the new ones; when
+    the entries it chained to were evicted meanwhile, it chains its own pages from the root."""
+    runner = ReferenceRunner(model, num_pages=24, page_size=PAGE)
+    pool, cache = PagePool(24), make_cache(runner)
+    prompt = list(range(1, 14))  # three full pages and one token
+    running = make_seq(prompt, seq_id=1)
+    cache.attach(running, pool)  # a miss: it computes the prompt itself
+    compute(runner, pool, running)
+    publish_prompts(cache, runner, pool, [prompt])  # another sequence publishes the same pages first
+    cache.publish_progress(running, pool)  # finds them: its chain is the other's entries
+    cache.reclaim(cache.num_reclaimable_pages(), pool)  # evicts them (only the cache held them)
+    running.token_ids += [5, 6, 7, 8]
+    compute(runner, pool, running)
+    cache.publish_progress(running, pool)
+    assert not cache.unreachable()
+    hit = cache.lookup([*running.token_ids[:16], 0], None, pool)
+    assert hit.num_tokens == 16 and list(hit.page_ids) == running.pages[:4]
+    pool.release(hit.page_ids)
+    finish(cache, pool, running)
+    check_pool(pool, cache)
+
+
 def test_reclaim_evicts_least_recently_used_leaves_first(model):
     runner = ReferenceRunner(model, num_pages=16, page_size=PAGE)
     pool, cache = PagePool(16), make_cache(runner)  # no host tier: reclaim evicts
@@ -480,6 +503,7 @@ operation = st.one_of(
     st.tuples(st.just("end"), st.integers(0, 3)),
     st.tuples(st.just("end"), st.integers(0, 3)),
     st.tuples(st.just("extend"), st.integers(0, 3), st.lists(st.integers(1, 7), min_size=1, max_size=5)),
+    st.tuples(st.just("progress"), st.integers(0, 3)),
 )
 
 
@@ -518,7 +542,10 @@ def test_random_operations_keep_every_invariant(ops, host_pages, salted):
             seq = live[op[1] % len(live)]
             seq.token_ids += op[2]
             store_compute(store, pool, seq)
+        elif op[0] == "progress" and live:  # the step task shares a running sequence's full pages
+            cache.publish_progress(live[op[1] % len(live)], pool)  # again: only the pages since
         check_pool(pool, cache, *live)
+        assert not cache.unreachable()
         stats = cache.statistics()
         assert stats.host_bytes <= stats.host_budget_bytes
         assert stats.num_device_pages + len({p for s in live for p in s.pages}) >= pool.num_used

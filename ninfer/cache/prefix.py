@@ -114,6 +114,9 @@ class PrefixCache:
         self._claims: dict[bytes, int] = {}
         self._claimed: dict[int, _Claim] = {}
         self._frontiers: dict[int, tuple[bytes, int]] = {}  # seq_id -> (parent key, first uncached page)
+        # A running sequence's pages published so far (their entries, root first): the next
+        # `publish_progress` hashes only the pages completed since.
+        self._published: dict[int, list[CacheEntry]] = {}
 
     # -- the scheduler's hook ------------------------------------------------------------
 
@@ -161,6 +164,7 @@ class PrefixCache:
         """`seq` stopped computing (finished, paused, cancelled, left the queue): its claims end,
         so whoever waits for them looks up again at its next attach."""
         self._frontiers.pop(seq.seq_id, None)
+        self._published.pop(seq.seq_id, None)
         self._end_claims(seq.seq_id, None)
 
     def detach(self, seq, pool: PagePool) -> None:
@@ -175,7 +179,8 @@ class PrefixCache:
         """Keep a finished sequence's computed pages (before it releases them)."""
         try:
             if not seq.request.cache_read_only:
-                self.insert(seq.token_ids[: seq.num_cached], seq.pages, seq.request.cache_salt, pool)
+                resume = self._published.pop(seq.seq_id, None)
+                self.insert(seq.token_ids[: seq.num_cached], seq.pages, seq.request.cache_salt, pool, resume=resume)
         finally:
             self._end_claims(seq.seq_id, seq.num_cached // self.page_size)
 
@@ -185,7 +190,9 @@ class PrefixCache:
         try:
             if not seq.request.cache_read_only:
                 num_full_tokens = num_full_pages * self.page_size
-                self.insert(seq.token_ids[:num_full_tokens], seq.pages, seq.request.cache_salt, pool)
+                resume = self._published.get(seq.seq_id)
+                chain = self.insert(seq.token_ids[:num_full_tokens], seq.pages, seq.request.cache_salt, pool, resume=resume)
+                self._published[seq.seq_id] = chain
         finally:
             self._end_claims(seq.seq_id, num_full_pages)  # computed: claimed no more, cached or not
 
@@ -250,26 +257,35 @@ class PrefixCache:
         self._count(lookups=1, hits=int(num_tokens > 0), hit_tokens=num_tokens)
         return Hit(tuple(page_ids), num_tokens)
 
-    def insert(self, token_ids, page_ids, cache_salt: str | None, pool: PagePool) -> None:
-        """Take a reference on the pages holding `token_ids`' KV (full pages, then a partial tail)."""
+    def insert(
+        self, token_ids, page_ids, cache_salt: str | None, pool: PagePool, *, resume: list[CacheEntry] | None = None
+    ) -> list[CacheEntry]:
+        """Take a reference on the pages holding `token_ids`' KV (full pages, then a partial tail);
+        returns the chain of full-page entries. `resume`: the chain an earlier insert of the same
+        sequence returned (a prefix of these tokens): its pages are not hashed again while its
+        last entry is still cached (an eviction takes an entry's descendants with it)."""
         self._tiers.bind(pool)
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        size = self.page_size
         salt = salt_bytes(self._salt, cache_salt)
-        num_full = min(len(tokens) // self.page_size, len(page_ids))
-        chain: list[CacheEntry] = []
-        parent = None
-        for i in range(num_full):
-            page_tokens = tokens[i * self.page_size : (i + 1) * self.page_size]
+        num_full = min(len(token_ids) // size, len(page_ids))
+        chain: list[CacheEntry] = list(resume) if resume and len(resume) <= num_full and resume[-1] in self._index else []
+        parent = chain[-1] if chain else None
+        start = len(chain)
+        tokens = np.asarray(token_ids[start * size :], dtype=np.int64)  # from the first page not chained yet
+        for i in range(start, num_full):
+            page_tokens = tokens[(i - start) * size : (i - start + 1) * size]
             parent = self._keep(parent, salt, token_bytes(page_tokens), page_ids[i])
             if parent is None:
                 break  # a hash collision holds this key: the rest cannot be found either
             chain.append(parent)
         else:
-            tail_tokens = tokens[num_full * self.page_size :]
+            tail_tokens = tokens[(num_full - start) * size :]
             if tail_tokens.size and num_full < len(page_ids):
                 tail = self._keep_tail(parent, salt, tail_tokens, page_ids[num_full])
-                chain += [tail] if tail is not None else []
+                self._index.touch([*chain, tail] if tail is not None else chain)
+                return chain
         self._index.touch(chain)
+        return chain
 
     # -- introspection -------------------------------------------------------------------
 
@@ -290,6 +306,11 @@ class PrefixCache:
             host_bytes=self._host.num_bytes,
             host_budget_bytes=self._host.budget_bytes,
         )
+
+    def unreachable(self) -> list[CacheEntry]:
+        """Entries whose parent is no longer cached (none, when the index is consistent: an
+        eviction takes the descendants, and an insert chains only from cached entries)."""
+        return [e for e in self._index if e.parent is not None and e.parent not in self._index]
 
     def holders(self) -> list[list[int]]:
         """The cache's references in the pool, one list per holder (for `PagePool.check_consistent`)."""

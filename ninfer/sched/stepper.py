@@ -80,21 +80,27 @@ class Stepper:
 
     async def _step_once(self) -> bool:
         state = self._state
+        clock = state.counters.phases  # host seconds per phase (stats.STEP_PHASES)
+        clock.start()
         self._reap_cancelled()
         expire_waiting(state)
         candidates = self._attach_prefixes()
+        clock.lap("schedule")
         await self._run_cache_io()  # restores and copy-on-write tails for those hits
+        clock.lap("cache_io")
         # Only looked-up requests may be admitted: not those waiting for another's pages, nor
         # those that arrived (or a cancellation removed) while the copies ran.
         plan = self._plan([seq for seq in candidates if seq.phase is Phase.WAITING])
         if self._detach_unadmitted(plan):
             # Pages held by queued requests must not starve running ones: plan again without.
             plan = self._plan([seq for seq in plan.admits if seq.phase is Phase.WAITING])
+        clock.lap("schedule")
         if plan.is_idle:
             return False
         if plan.num_reclaim_pages:
             state.prefix.reclaim(plan.num_reclaim_pages, state.pool)
             await self._run_cache_io()  # demotions: their pages are free once snapshotted
+            clock.lap("cache_io")
         # Pauses and resumes await the runner; meanwhile a queued request may be cancelled
         # or expire, so each step re-checks the phase the plan was made for.
         for pause in plan.pauses:
@@ -103,6 +109,7 @@ class Stepper:
         for seq in plan.resumes:
             if seq.phase is Phase.PAUSED:
                 await self._resume(seq)
+        clock.lap("pause_resume")
         for seq in plan.admits:
             if seq.phase is Phase.WAITING:
                 self._admit(seq)
@@ -193,6 +200,7 @@ class Stepper:
             state.host_snapshot_bytes += snapshot.nbytes
         else:
             seq.num_cached = 0
+            state.release_state(seq.seq_id)  # a replay starts its recurrent state over
         state.pool.release(seq.pages)
         seq.pages = []
         state.forget_prefix(seq)  # requests waiting for its prefix pages compute them themselves
@@ -234,20 +242,29 @@ class Stepper:
             if row is not None:
                 kept.append(planned_row)
                 rows.append(row)
+        clock = self._state.counters.phases
+        clock.lap("schedule")
         if not rows:
             return
         if not self._lookahead:
-            self._commit_step(kept, rows, await self._executor(self._runner.step, rows))
+            results = await self._executor(self._runner.step, rows)
+            clock.lap("forward")
+            self._commit_step(kept, rows, results)
+            clock.lap("commit")
             return
         pending = await self._executor(self._runner.submit, rows)
+        clock.lap("forward")
         while True:
             ahead = self._ahead(kept, rows)
+            clock.lap("schedule")
             if ahead is None:
                 results = await self._executor(self._runner.collect, pending)
             else:  # step N + 1 queued behind step N, then step N's tokens
                 results, next_pending = await self._executor(self._submit_then_collect, ahead[1], pending)
                 self._state.counters.num_lookahead_steps += 1
+            clock.lap("forward")
             self._commit_step(kept, rows, results)
+            clock.lap("commit")
             if ahead is None:
                 return
             (kept, rows), pending = ahead, next_pending
@@ -351,8 +368,11 @@ class Stepper:
         counters.num_replayed_tokens += max(0, min(new, seq.num_computed_max) - old)
         counters.num_prefill_tokens += max(0, min(new, seq.num_prompt) - max(old, seq.num_computed_max))
         seq.num_computed_max = max(seq.num_computed_max, new)
-        if new // self._limits.page_size > old // self._limits.page_size and seq.phase is Phase.RUNNING:
-            # Share the pages just completed: requests arriving now reuse them.
+        completed_pages = new // self._limits.page_size > old // self._limits.page_size
+        if completed_pages and old < seq.num_prompt and seq.phase is Phase.RUNNING:
+            # Share the prompt pages just completed: requests arriving now reuse them. (Pages of
+            # generated tokens wait for the finish: sharing them mid-run would cost a hash and a
+            # chain touch per page per stream on the decode path, for follow-ups that come later.)
             self._state.publish_pages(self._state.prefix.publish_progress, seq)
         # A request cancelled (or shut down) while the step ran is reaped, not fed.
         if planned.samples and seq.phase is Phase.RUNNING and not seq.is_cancel_requested:
