@@ -17,6 +17,7 @@
 #   rerank  scripts/bench_rerank.py (RERANK_DOCS documents, default 256) against `ninfer serve` of this tree
 #   score   `ninfer score` of the held-out text: f32 vs q8 (decode path) and vs the CPU reference backend
 #   warmprof  tools/warmup_profile.py twice (cold, then warm kernel cache): cProfile of the warm-up
+#           (WARM_MODEL: default the staged GGUF; "--random smollm2-135m" needs no model file)
 #   tests   the GPU tests (TESTS: pytest arguments)
 #   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
 #           staged GGUF; `--random smollm2-135m` needs no model file)
@@ -126,7 +127,7 @@ if has score; then  # ninfer score: f32 vs q8 through the decode path (KL, top-1
 fi
 if has warmprof; then  # where warm-up goes: twice (an empty kernel cache, then the filled one)
   for run in cold warm; do
-    (cd "$ROOT" && NINFER_CACHE_DIR=/tmp/ninfer-cache-prof PYTHONPATH=/tmp/site:$ROOT timeout 300 python3 -m tools.warmup_profile "$GGUF" --out "$OUT/warm_$run.prof" \
+    (cd "$ROOT" && NINFER_CACHE_DIR=/tmp/ninfer-cache-prof PYTHONPATH=/tmp/site:$ROOT timeout 300 python3 -m tools.warmup_profile ${WARM_MODEL:-$GGUF} --out "$OUT/warm_$run.prof" \
       2>&1 | head -n 90) > "$OUT/warmprof_$run.txt"
     head -n 1 "$OUT/warmprof_$run.txt"
   done

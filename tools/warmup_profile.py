@@ -2,6 +2,7 @@
 prefill shape compiled and captured), as `ninfer serve` runs it.
 
     python -m tools.warmup_profile MODEL.gguf [--max-concurrency 64] [--top 30] [--out FILE.prof]
+    python -m tools.warmup_profile --random smollm2-135m      # random weights of that shape, no file
 
 Prints the wall times of model load, runner creation and warm-up, the kernel cache's line,
 and the functions with the most cumulative and own time. Run it twice on one machine: the
@@ -18,7 +19,9 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--random", metavar="SHAPE", help="random weights of a known shape instead of MODEL")
+    ap.add_argument("--random-qtype", default="Q4_1")
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--activations", default="q8")
     ap.add_argument("--top", type=int, default=30)
@@ -29,7 +32,12 @@ def main() -> None:
     from ninfer.sched.config import EngineConfig
 
     t0 = time.perf_counter()
-    model = runtime.load(args.model, progress=False)
+    if args.random:
+        from ninfer.gpu.cuda.random_model import random_model, random_spec
+
+        model = random_model(random_spec(args.random), args.random_qtype)
+    else:
+        model = runtime.load(args.model, progress=False)
     t1 = time.perf_counter()
     config = EngineConfig(max_concurrency=args.max_concurrency)
     options = runtime.RuntimeOptions(backend="cuda", activations=args.activations)
