@@ -940,6 +940,181 @@ def _compare_one_row(cuda_runner, ref_runner, spec, rng, rtol, steps=3):
         ids = np.array([want.token_id], np.int32)
 
 
+# -- Gated DeltaNet (kernels/gdn.py) --------------------------------------------------------------
+# Real shapes: transformers' Qwen3_5TextConfig defaults (16 k-heads, 32 v-heads, 128 x 128 heads,
+# conv kernel 4); decode batches 1 / 16 / 64 and a 512-token prefill chunk, each timed on the GPU
+# with its achieved bandwidth over the bytes it must move (state read + written, inputs, outputs).
+
+from ninfer.gpu.cuda.kernels import gdn  # noqa: E402
+
+GDN_REAL = dict(num_k=16, num_v=32, dk=128, dv=128, kernel_size=4)
+GDN_TINY = dict(num_k=2, num_v=4, dk=16, dv=8, kernel_size=4)
+
+
+def _gdn_shape(scale):
+    shape = GDN_TINY if scale == "tiny" else GDN_REAL
+    return shape, 2 * shape["num_k"] * shape["dk"] + shape["num_v"] * shape["dv"]
+
+
+def _gdn_inputs(rng, num_tokens, shape, conv_dim):
+    """The conv output (q, k, v), raw a / b projections and the per-head parameters."""
+    nv = shape["num_v"]
+    qkv = rng.standard_normal((num_tokens, conv_dim)).astype(np.float32)
+    a = rng.standard_normal((num_tokens, nv)).astype(np.float32)
+    b = rng.standard_normal((num_tokens, nv)).astype(np.float32)
+    a_log = np.log(rng.uniform(0.5, 4.0, nv)).astype(np.float32)
+    dt_bias = rng.uniform(-1.0, 1.0, nv).astype(np.float32)
+    return qkv, a, b, a_log, dt_bias
+
+
+def _gdn_state(rng, num_slots, shape):
+    return (0.3 * rng.standard_normal((num_slots, shape["num_v"], shape["dk"], shape["dv"]))).astype(np.float32)
+
+
+def _gdn_time(label, launch, num_bytes, reps=20):
+    """Warm up, then the mean GPU time of `reps` launches and the bandwidth it achieves (GPU
+    only). The spin kernel holds the stream while Python queues them: a launch from Python
+    (~25 us) outlasts a small kernel, and the events would time the launches instead."""
+    if SIMULATOR:
+        return
+    launch()
+    cuda.synchronize()
+    spin, spun = _spin_kernel()
+    spin[1, 1](spun, HOLD_ITERS)
+    start, end = cuda.event(), cuda.event()
+    start.record()
+    for _ in range(reps):
+        launch()
+    end.record()
+    end.synchronize()
+    ms = cuda.event_elapsed_time(start, end) / reps
+    print(f"{label}: {ms * 1e3:.1f} us, {num_bytes / 1e9:.4f} GB moved, {num_bytes / ms / 1e6:.0f} GB/s", flush=True)
+
+
+def check_gdn_conv(scale, rng):
+    """The conv decode (rows in permuted slots, the rest of the pool untouched) and the conv
+    prefill (ragged sequences: shorter than the window, over several token tiles, fresh)."""
+    tiny = scale == "tiny"
+    ks = GDN_TINY["kernel_size"]
+    conv_dim = 40 if tiny else _gdn_shape(scale)[1]  # tiny: a partial channel tile
+    w = rng.standard_normal((ks, conv_dim)).astype(np.float32)
+    for rows in (3,) if tiny else (1, 16, 64):
+        slots = rng.permutation(rows + 1)[:rows].astype(np.int32)
+        state = rng.standard_normal((rows + 1, ks - 1, conv_dim)).astype(np.float32)
+        x = rng.standard_normal((rows, conv_dim)).astype(np.float32)
+        want, want_state = gdn.conv_ref(x, w, np.arange(rows + 1), slots, np.zeros(rows, np.int32), state)
+        out, d_state = _poisoned(x.shape), _dev(state)
+        args = (_dev(x), _dev(w), _dev(slots), d_state, out, rows)
+        launch = lambda: gdn.conv_decode(*args)  # noqa: E731
+        launch()
+        _close(out.copy_to_host(), want, 1e-5, f"conv decode rows {rows}")
+        _close(d_state.copy_to_host(), want_state, 0.0, f"conv decode state rows {rows}")
+        _gdn_time(f"gdn conv decode B={rows}", launch, 4 * rows * conv_dim * (2 + 2 * (ks - 1)))
+    lens = (9, 1, 2, 0) if tiny else (512,)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    slots = rng.permutation(len(lens) + 1)[: len(lens)].astype(np.int32)
+    fresh = np.array([1, 0, 0, 1], np.int32) if tiny else np.zeros(1, np.int32)  # an empty fresh one: zeroed
+    state = rng.standard_normal((len(lens) + 1, ks - 1, conv_dim)).astype(np.float32)
+    x = rng.standard_normal((starts[-1], conv_dim)).astype(np.float32)
+    want, want_state = gdn.conv_ref(x, w, starts, slots, fresh, state)
+    out, d_state = _poisoned(x.shape), _dev(state)
+    args = (_dev(x), _dev(w), _dev(starts), _dev(slots), _dev(fresh), d_state, out, len(lens), max(lens))
+    gdn.conv_prefill(*args)
+    _close(out.copy_to_host(), want, 1e-5, "conv prefill")
+    _close(d_state.copy_to_host(), want_state, 0.0, "conv prefill state")
+    _gdn_time(f"gdn conv prefill {lens} tokens", lambda: gdn.conv_prefill(*args), 4 * x.size * 2)
+
+
+def _gdn_plans(scale):
+    """((cols, groups) of the GDN blocks, tiled k-heads): the default, and others (tiny: two
+    column tiles a head, HF's grouped k-heads; real: alternatives timed beside the default)."""
+    return ((None, True), ((4, 4), False)) if scale == "tiny" else ((None, True), ((32, 8), True), ((16, 8), True))
+
+
+def check_gdn_decode(scale, rng):
+    """One step for rows in permuted slots of a pool: outputs and the whole pool (the spare
+    slot untouched), for each block plan."""
+    shape, conv_dim = _gdn_shape(scale)
+    dk, dv, nv = shape["dk"], shape["dv"], shape["num_v"]
+    for rows in (3,) if scale == "tiny" else (1, 16, 64):
+        qkv, a, b, a_log, dt_bias = _gdn_inputs(rng, rows, shape, conv_dim)
+        slots = rng.permutation(rows + 1)[:rows].astype(np.int32)
+        state = _gdn_state(rng, rows + 1, shape)
+        steps = np.arange(rows + 1, dtype=np.int32)
+        ins = [_dev(v) for v in (qkv, a, b, a_log, dt_bias, slots)]
+        for plan, tiled in _gdn_plans(scale):
+            no = np.zeros(rows, np.int32)
+            want, want_state = gdn.gdn_ref(qkv, a, b, a_log, dt_bias, steps, slots, no, state, tiled)
+            out, d_state = _poisoned((rows, nv * dv)), _dev(state)
+            launch = lambda: gdn.gdn_decode(*ins, d_state, out, rows, plan, tiled)  # noqa: E731
+            launch()
+            _close(out.copy_to_host(), want, 2e-5, f"gdn decode rows {rows} plan {plan}")
+            _close(d_state.copy_to_host(), want_state, 2e-5, f"gdn decode state rows {rows} plan {plan}")
+            state_bytes = 4 * rows * nv * dk * dv * 2
+            io_bytes = 4 * rows * (conv_dim + 2 * nv + nv * dv)
+            _gdn_time(f"gdn decode B={rows} plan {plan} (bytes: state r+w + io)", launch, state_bytes + io_bytes)
+
+
+def check_gdn_prefill(scale, rng):
+    """Ragged sequences (fresh, and continuing from a pooled state), then prefill in two chunks
+    == decode token by token, on the outputs and on the state itself."""
+    tiny = scale == "tiny"
+    shape, conv_dim = _gdn_shape(scale)
+    dv, nv = shape["dv"], shape["num_v"]
+    lens = (5, 1, 3, 0) if tiny else (512,)
+    starts = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    fresh = np.array([1, 0, 0, 1], np.int32) if tiny else np.zeros(1, np.int32)  # an empty fresh one: zeroed
+    slots = rng.permutation(len(lens) + 1)[: len(lens)].astype(np.int32)
+    qkv, a, b, a_log, dt_bias = _gdn_inputs(rng, starts[-1], shape, conv_dim)
+    state = _gdn_state(rng, len(lens) + 1, shape)
+    ins = [_dev(v) for v in (qkv, a, b, a_log, dt_bias, starts, slots, fresh)]
+    tol = 2e-5 if tiny else 1e-4  # 512 steps of float32 rounding
+    for plan, tiled in _gdn_plans(scale)[:2]:
+        want, want_state = gdn.gdn_ref(qkv, a, b, a_log, dt_bias, starts, slots, fresh, state, tiled)
+        out, d_state = _poisoned((starts[-1], nv * dv)), _dev(state)
+        launch = lambda: gdn.gdn_prefill(*ins, d_state, out, len(lens), plan, tiled)  # noqa: E731
+        launch()
+        _close(out.copy_to_host(), want, tol, f"gdn prefill {lens} plan {plan}")
+        _close(d_state.copy_to_host(), want_state, tol, f"gdn prefill state {lens} plan {plan}")
+        state_bytes = 4 * len(lens) * nv * shape["dk"] * dv * 2
+        _gdn_time(f"gdn prefill {lens} tokens plan {plan}", launch, state_bytes + 4 * qkv.size + 4 * out.size)
+    # one sequence: a chunk, then the rest as a second chunk; against one token a step
+    n = 6 if tiny else 64
+    qkv, a, b, a_log, dt_bias = _gdn_inputs(rng, n, shape, conv_dim)
+    one = _gdn_state(rng, 1, shape)
+    params = [_dev(v) for v in (a_log, dt_bias)]
+    zero = _dev(np.zeros(1, np.int32))  # slot 0, not fresh
+    chunked, stepped = _dev(one), _dev(one)
+    out_c, out_s = _poisoned((n, nv * dv)), _poisoned((1, nv * dv))
+    cut = n // 3
+    for lo, hi in ((0, cut), (cut, n)):
+        part = [_dev(v[lo:hi]) for v in (qkv, a, b)]
+        o = _poisoned((hi - lo, nv * dv))
+        gdn.gdn_prefill(*part, *params, _dev(np.array([0, hi - lo], np.int32)), zero, zero, chunked, o, 1)
+        out_c[lo:hi] = o
+    step_out = np.zeros((n, nv * dv), np.float32)
+    for t in range(n):
+        part = [_dev(v[t : t + 1]) for v in (qkv, a, b)]
+        gdn.gdn_decode(*part, *params, zero, stepped, out_s, 1)
+        step_out[t] = out_s.copy_to_host()[0]
+    _close(out_c.copy_to_host(), step_out, 1e-6, "prefill in two chunks vs decode a token a step: outputs")
+    _close(chunked.copy_to_host(), stepped.copy_to_host(), 1e-6, "prefill in two chunks vs decode: the state")
+
+
+def check_gdn_gated_rmsnorm(scale, rng):
+    shape, _ = _gdn_shape(scale)
+    dv, nv = shape["dv"], shape["num_v"]
+    tokens = 3 if scale == "tiny" else 512
+    o = rng.standard_normal((tokens, nv * dv)).astype(np.float32)
+    z = rng.standard_normal((tokens, nv * dv)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    out = _poisoned(o.shape)
+    args = (_dev(o), _dev(z), _dev(w), 1e-6, out, tokens)
+    gdn.gated_rmsnorm(*args)
+    _close(out.copy_to_host(), gdn.gated_rmsnorm_ref(o, z, w, 1e-6), 1e-5, "gated rmsnorm")
+    _gdn_time(f"gdn gated rmsnorm {tokens} tokens", lambda: gdn.gated_rmsnorm(*args), 4 * o.size * 3)
+
+
 CHECKS = {
     name[len("check_") :]: fn for name, fn in sorted(globals().items()) if name.startswith("check_") and callable(fn)
 }

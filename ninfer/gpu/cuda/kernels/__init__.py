@@ -8,4 +8,5 @@ its `ptx_cases()` (the compiled signatures tests/test_ptx.py builds for sm_90 an
     gemv, gemv_folds, gemm                    the linears (decode GEMV, folds, prefill GEMM)
     attn_decode, attn_lp, attn_prefill, flash attention
     sampler      on-device sampling
+    gdn          Gated DeltaNet (Qwen3.5 linear attention): causal conv1d, delta rule, gated norm
 """
