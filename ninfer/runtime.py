@@ -15,7 +15,7 @@ from ninfer.core.runner import Runner
 from ninfer.models.loaded import LoadedModel
 from ninfer.sched.config import ConfigError, EngineConfig
 
-BACKENDS = ("auto", "cuda", "reference")
+BACKENDS = ("auto", "cuda", "reference", "cpu")  # cpu: numba kernels over the stored weights
 # CUDA decode linears: int8 activation blocks with dp4a (llama.cpp's scheme, the default: the
 # fast path, checked against f32 by tests/test_gpu_quality.py), or float32 activations (logits
 # within ~1e-3 of the CPU reference).
@@ -23,6 +23,15 @@ ACTIVATIONS = ("f32", "q8")
 DEFAULT_CONTEXT_CAP = 8192  # --max-context unset: the model's context, at most this
 # Host memory the reference backend's KV pool may take when --kv-capacity is auto.
 REFERENCE_AUTO_KV_BYTES = 2 << 30
+GIB = 1 << 30
+
+
+def _non_negative(flag: str):
+    def check(instance, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise ConfigError(f"{flag} must be a finite number of at least 0, got {value!r}")
+
+    return check
 
 
 def _one_of(flag: str, choices: tuple[str, ...]):
@@ -46,6 +55,12 @@ class RuntimeOptions:
     max_batch_rows: int = 64
     max_tokens_per_step: int = 4096  # CUDA: tokens one forward's buffers hold (longer prefills split)
     kernel_cache: bool = True  # CUDA: keep compiled kernels on disk (models.registry.kernel_cache_dir)
+    reserve_gib: float = attrs.field(default=0.0, validator=_non_negative("--reserve-gib"))
+    # ^ device memory (host memory on the reference backend) `--kv-capacity auto` leaves free
+
+    @property
+    def reserve_bytes(self) -> int:
+        return int(self.reserve_gib * GIB)
 
 
 def parse_kv_capacity(text: str) -> int | None:
@@ -63,7 +78,7 @@ def parse_kv_capacity(text: str) -> int | None:
 
 def resolve_backend(name: str) -> str:
     """'auto' -> 'cuda' when a usable GPU is present, else 'reference'."""
-    if name == "reference":
+    if name in ("reference", "cpu"):
         return name
     from ninfer.gpu.cuda.available import cuda_available
 
@@ -80,24 +95,80 @@ def config_for_model(model: LoadedModel, config: EngineConfig) -> EngineConfig:
     return config.for_model(model.spec.max_context, cap=DEFAULT_CONTEXT_CAP)
 
 
-def num_pages_for(model: LoadedModel, config: EngineConfig, backend: str) -> int:
-    """KV pool size in pages for a resolved `config` (its kv_capacity, else auto)."""
+def num_pages_for(model: LoadedModel, config: EngineConfig, backend: str, *, reserve_bytes: int = 0) -> int:
+    """KV pool size in pages for a resolved `config` (its kv_capacity, else auto); auto leaves
+    `reserve_bytes` of the device's memory free (ConfigError, with the numbers, when one full
+    context cannot fit then)."""
     page = config.page_size
-    if config.kv_capacity is None:
-        if backend == "cuda":
-            from ninfer.gpu.cuda.runner import auto_num_pages
+    if config.kv_capacity is not None:
+        return -(-config.kv_capacity // page)
+    if backend == "cuda":
+        from ninfer.gpu.cuda.runner import auto_num_pages
 
-            return auto_num_pages(model.spec, page)
-        per_page = model.spec.kv_bytes_per_token(4) * page
-        return max(REFERENCE_AUTO_KV_BYTES // per_page, -(-config.max_context // page))
-    return -(-config.kv_capacity // page)
+        num_pages, page_bytes = auto_num_pages(model.spec, page), model.spec.kv_bytes_per_token(2) * page
+    else:
+        page_bytes = model.spec.kv_bytes_per_token(4) * page
+        # every lane's recurrent state (hybrid models) comes out of the same host budget
+        budget = REFERENCE_AUTO_KV_BYTES - config.max_concurrency * model.spec.recurrent_state_nbytes(4)
+        num_pages = max(budget // page_bytes, -(-config.max_context // page))
+    if reserve_bytes:
+        num_pages = min(num_pages, _pages_within_reserve(model, config, backend, page_bytes, reserve_bytes))
+    return num_pages
+
+
+def _pages_within_reserve(model: LoadedModel, config: EngineConfig, backend: str, page_bytes: int,
+                          reserve_bytes: int) -> int:  # fmt: skip
+    """Pages that fit the memory free now less the reserve (and, on CUDA, the weights still to
+    be copied there; the reference backend's weights are already in host memory)."""
+    free, total = device_memory(backend)
+    weights = model.weights.nbytes if backend == "cuda" else 0
+    room = free - reserve_bytes - weights
+    needed = -(-config.max_context // config.page_size)
+    if room < needed * page_bytes:
+        where = "the GPU" if backend == "cuda" else "host memory (the reference backend's device)"
+        weights_text = f" and {weights / GIB:.2f} GiB of weights" if weights else ""
+        raise ConfigError(
+            f"--reserve-gib {reserve_bytes / GIB:g} does not fit: {where} has {free / GIB:.2f} GiB free of"
+            f" {total / GIB:.2f} GiB; less the reserve{weights_text} that leaves {max(room, 0) / GIB:.2f} GiB for"
+            f" the KV pool, but one --max-context of {config.max_context} tokens needs"
+            f" {needed * page_bytes / GIB:.3f} GiB; lower --reserve-gib or --max-context"
+        )
+    return room // page_bytes
+
+
+def device_memory(backend: str) -> tuple[int, int]:
+    """(free, total) bytes of the backend's device: the GPU's, or host memory (available, total)."""
+    if backend == "cuda":
+        # Only gpu/cuda/ imports numba: use its handle (the one auto_num_pages asks).
+        from ninfer.gpu.cuda.runner import cuda
+
+        free, total = cuda.current_context().get_memory_info()
+        return int(free), int(total)
+    return host_memory()
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory (/proc/meminfo; elsewhere sysconf's free pages)."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.count(" kB")}
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineConfig) -> tuple[Runner, str, EngineConfig]:
     """(runner, backend name, `config` resolved for the model) for these options and limits."""
     backend = resolve_backend(options.backend)
+    if backend == "cuda" and model.spec.is_hybrid:  # no CUDA Gated DeltaNet in the runner yet
+        if options.backend == "cuda":
+            raise ConfigError("--backend cuda does not run hybrid (qwen35) models yet; use --backend reference")
+        backend = "reference"
     config = config_for_model(model, config)
-    num_pages = num_pages_for(model, config, backend)
+    num_pages = num_pages_for(model, config, backend, reserve_bytes=options.reserve_bytes)
     if backend == "cuda":
         from ninfer.gpu.cuda.runner import CudaRunner
 
@@ -107,6 +178,14 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
             max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
             activations=options.activations,
         )  # fmt: skip
+    elif backend == "cpu":
+        if model.spec.is_hybrid:
+            raise ConfigError("--backend cpu does not run hybrid (qwen35) models yet; use --backend reference")
+        from ninfer.cpu.runner import CpuRunner
+        from ninfer.gpu.blas import limit_blas_threads
+
+        limit_blas_threads()  # the attention's small products stay on one BLAS thread
+        runner = CpuRunner(model, num_pages=num_pages, page_size=config.page_size)
     else:
         from ninfer.gpu.blas import limit_blas_threads
         from ninfer.gpu.reference import ReferenceRunner

@@ -166,3 +166,13 @@ def test_garbage_empty_and_missing_files_are_refused(tmp_path):
     with pytest.raises(ModelLoadError) as excinfo:
         load_gguf(tmp_path / "absent.gguf")
     assert "not found" in _message(excinfo)
+
+
+def test_embedding_rows_past_the_token_list_are_padding(tmp_path):
+    """The vocabulary is the embedding's rows; ids past the token list are padding (never sampled)."""
+    rng = np.random.default_rng(4)
+    tensors = tiny_gguf_tensors("qwen2", rng)
+    tensors["token_embd.weight"] = rng.standard_normal((len(BYTE_TOKENS) + 8, 16)).astype(np.float32)
+    model = load_gguf(write_tiny_gguf(tmp_path / "padded.gguf", "qwen2", tensors=tensors))
+    assert model.spec.vocab_size == len(BYTE_TOKENS) + 8
+    assert model.spec.tokenizer_vocab_size == model.tokenizer.vocab_size == len(BYTE_TOKENS)

@@ -148,3 +148,73 @@ def test_spec_from_config_defaults_head_dim_and_kv_heads():
     spec = spec_from_config(config)
     assert (spec.head_dim, spec.num_kv_heads, spec.rope_theta, spec.max_context) == (16, 6, 10000.0, 2048)
     assert read_json(Path("/nonexistent/config.json"), required=False) is None
+
+
+# --- padded vocabularies --------------------------------------------------------------------
+
+NUM_TOKENS = 280  # the tokenizer's ids; the model's head has 300 rows
+
+
+@pytest.fixture
+def padded_dir(tmp_path):
+    """A qwen3 whose head has 20 rows past its tokenizer, rigged so one of them wins the argmax."""
+    from safetensors.numpy import load_file, save_file
+
+    build_tiny_dir(tmp_path, "qwen3", vocab_size=300, tie_word_embeddings=False)
+    write_tokenizer(tmp_path, NUM_TOKENS)
+    tensors = load_file(tmp_path / "model.safetensors")
+    head = tensors["lm_head.weight"]
+    head[NUM_TOKENS:] = head[:20] * 40  # forty times the largest of 20 logits beats every real one
+    save_file(tensors, tmp_path / "model.safetensors")
+    return tmp_path
+
+
+def test_padding_ids_are_never_sampled_nor_in_logprobs(padded_dir):
+    from ninfer.core.params import SamplingParams
+    from ninfer.core.runner import SampleSpec, StepRow
+    from ninfer.gpu.reference import ReferenceRunner
+    from ninfer.gpu.sampling import log_softmax
+
+    loaded = load_hf_dir(padded_dir)
+    assert (loaded.spec.vocab_size, loaded.spec.tokenizer_vocab_size, loaded.spec.num_sampled_ids) == (300, 280, 280)
+    runner = ReferenceRunner(loaded, num_pages=4, page_size=16)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=0)):
+        spec = SampleSpec(params=params, seed=3, token_index=0, want_logits=True, num_top_logprobs=20,
+                          score_ids=np.array([5, 290], np.int32))  # fmt: skip
+        row = StepRow(seq_id=0, token_ids=np.array([4, 9, 11], np.int32), start_pos=0,
+                      page_table=np.arange(4, dtype=np.int32), sample=spec)  # fmt: skip
+        out = runner.step([row])[0]
+        assert out.logits.shape == (300,) and int(np.argmax(out.logits)) >= NUM_TOKENS  # the rig works
+        assert out.token_id < NUM_TOKENS and np.all(out.top_ids < NUM_TOKENS)
+        real = log_softmax(out.logits[:NUM_TOKENS])
+        assert out.logprob == pytest.approx(float(real[out.token_id]), abs=1e-6)
+        assert out.score_logprobs[0] == pytest.approx(float(real[5]), abs=1e-6) and out.score_logprobs[1] == -np.inf
+    # a backend that does not mask them yet (CUDA) gets no text for a padding id, not a failure
+    assert loaded.tokenizer.token_bytes(290) == b"" and loaded.tokenizer.detokenizer().push(290) == ""
+
+
+async def test_padded_vocabulary_generates_through_the_engine(padded_dir):
+    import trio
+
+    from ninfer.core.params import SamplingParams
+    from ninfer.gpu.reference import ReferenceRunner
+    from ninfer.sched.config import EngineConfig
+    from ninfer.sched.engine import open_engine
+    from ninfer.sched.request import FinishReason, GenerationRequest
+
+    loaded = load_hf_dir(padded_dir)
+    runner = ReferenceRunner(loaded, num_pages=16, page_size=16)
+    config = EngineConfig(page_size=16, max_context=64)
+    prompt = tuple(loaded.tokenizer.encode("t7 t42 t100"))
+    results = []
+    async with open_engine(config, runner, loaded.tokenizer, stop_token_ids=()) as engine:
+        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+            request = GenerationRequest(prompt_ids=prompt, max_tokens=12, sampling=sampling, seed=1,
+                                        logprobs=True, top_logprobs=3)  # fmt: skip
+            async with engine.submit(request) as stream:
+                results.append(await stream.collect())
+        await trio.sleep(0)
+    for result in results:
+        assert result.finished.reason is FinishReason.LENGTH, result.finished
+        assert len(result.token_ids) == 12 and max(result.token_ids) < NUM_TOKENS
+        assert result.text == loaded.tokenizer.decode(list(result.token_ids))

@@ -56,6 +56,19 @@ def anthropic_error(response, status: int, type_: str) -> dict:
     return body["error"]
 
 
+def detail_error(response, status: int) -> str:
+    """System One's errors: FastAPI's `{"detail": "..."}`."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"detail"} and isinstance(body["detail"], str) and body["detail"], body
+    return body["detail"]
+
+
+SYSTEMONE = {"model": "any", "state": "The door is open.", "questions": {"q": {"type": "noul", "question": "Is it open?"}}}
+SCORE = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Pick one."}],
+         "questions": [{"id": "a", "content": "Yes or no?", "candidates": ["Yes", "No"]}]}  # fmt: skip
+
+
 # ---- 400 -------------------------------------------------------------------------------
 
 
@@ -215,6 +228,9 @@ def test_full_queue_is_429_and_529_and_a_timed_out_wait_is_503(server, http):
         anthropic_error(http.post("/v1/messages", json=anthropic_body), 529, "overloaded_error")
         with pytest.raises(openai.RateLimitError):
             server.openai(api_key=KEY).chat.completions.create(**CHAT)
+        detail_error(http.post("/v1/systemone", json=SYSTEMONE), 429)  # System One's FastAPI shape
+        scored = http.post("/v1/score", json=SCORE)  # a question's failure stays in its own slot
+        assert scored.status_code == 200 and scored.json()["results"][0]["error"]["code"] == "overloaded"
         thread.join(timeout=30)
         openai_error(waiting["r"], 503, code="queue_timeout")
     wait_for_metric(http, "ninfer_kv_pages_active", 0.0)
@@ -280,10 +296,12 @@ def test_runner_failure_is_500_then_503_and_unhealthy(failing):
         assert http.get("/health").json() == {"status": "ok"}
         assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
         runner.fail.set()
-        openai_error(http.post("/v1/chat/completions", json=CHAT), 500)
+        detail_error(http.post("/v1/systemone", json=SYSTEMONE), 500)  # the failing step is System One's
+        openai_error(http.post("/v1/chat/completions", json=CHAT), 503, code="engine_unhealthy")
         health = http.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "unhealthy"
         openai_error(http.post("/v1/chat/completions", json=CHAT), 503, code="engine_unhealthy")
+        detail_error(http.post("/v1/systemone", json=SYSTEMONE), 503)
         values = metric_values(http.get("/metrics").text)
         assert values["ninfer_engine_healthy"] == 0.0
         assert values["ninfer_requests_total{outcome=error}"] >= 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+
+import attrs
 import math
 import os
 
@@ -18,7 +20,8 @@ from ninfer.server.settings import LOG_LEVELS, MIB, RERANK_OPTIONS, ServerSettin
 DESCRIPTION = """\
 Serve a model over HTTP: OpenAI Chat Completions, Completions and Responses, Anthropic
 Messages, scoring (/v1/score, /v1/rerank), embeddings, tokenize / detokenize, /health and
-Prometheus /metrics. Every option is checked at
+Prometheus /metrics, llama.cpp's /props, /admin/* (stats, memory, quiesce), a dashboard
+(/dashboard) and a chat page (/chat). Every option is checked at
 start-up; SIGINT / SIGTERM stop accepting connections, answer queued requests 503, give
 in-flight streams --shutdown-grace-s seconds, then end them with an error event saying the
 server is shutting down. See docs/serving.md."""
@@ -70,6 +73,11 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=non_negative_int, default=d("port"),
                        help=f"port to bind; 0 = any free port (default: {d('port')})")
     group.add_argument("--model-id", default=None, help="public model name in the APIs (default: the model's own name)")
+    group.add_argument("--served-model-name", action="extend", nargs="+", default=[], metavar="NAME",
+                       help="more names requests may send for the model (vLLM's flag); /v1/models lists them; "
+                            "'default' and the model's own name are always accepted")
+    group.add_argument("--no-webui", dest="webui", action="store_false",
+                       help="leave out the web pages: the chat page (/chat, /) and the dashboard (/dashboard)")
     group.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="require this key (Bearer or x-api-key); repeatable; also $NINFER_API_KEY")
     group.add_argument("--api-key-file", metavar="FILE", help="file with one accepted key per line")
@@ -122,6 +130,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-lookahead", dest="lookahead", action="store_false",
                        help="read each decode step's tokens before submitting the next (default: on a GPU, "
                             "step N + 1 is queued, fed on the device, before step N's tokens are read)")
+    group.add_argument("--reserve-gib", type=_non_negative_float, default=0.0, metavar="GIB",
+                       help="with --kv-capacity auto, leave this much device memory free (host memory on the "
+                            "reference backend); a start that cannot fit one full context is refused (default: 0)")
     group.add_argument("--host-cache-mib", type=_non_negative_float, default=host_cache_mib, metavar="MIB",
                        help="host memory for prefix-cache pages demoted off the device under pressure; "
                             f"0 = drop them instead (default: {host_cache_mib:g})")
@@ -161,9 +172,11 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_prefill_tokens=args.max_prefill_tokens,
         prefix_cache=args.prefix_reuse, host_cache_bytes=int(args.host_cache_mib * MIB), lookahead=args.lookahead,
     )  # fmt: skip
+    runtime = attrs.evolve(runtime_options(args), reserve_gib=args.reserve_gib)
     return ServerSettings(
-        model=args.model, runtime=runtime_options(args), engine=engine, sampling=sampling_params(args),
+        model=args.model, runtime=runtime, engine=engine, sampling=sampling_params(args),
         default_max_tokens=args.default_max_tokens, host=args.host, port=args.port, model_id=args.model_id,
+        served_model_names=tuple(args.served_model_name), webui=args.webui,
         api_keys=tuple(dict.fromkeys(keys)), max_request_mib=args.max_request_mib, log_level=args.log_level,
         cors_origins=tuple(args.cors), keepalive_s=args.sse_keepalive_s, shutdown_grace_s=args.shutdown_grace_s,
         frame_gap_us=args.frame_gap_us,

@@ -19,6 +19,11 @@ can take its input tokens from the samples of the step submitted before it (`fee
 the host reading them: a runner that computes in the background (`pipelined`) then lets the
 scheduler queue step N + 1 before it has read step N's tokens, so the GPU does not wait for
 the host between steps.
+
+Hybrid models (`spec.is_hybrid`) also carry per-sequence recurrent state, which the runner keeps
+by `seq_id`: a row at position 0 starts it, every later row must continue exactly where it ends.
+Such runners have `release_sequence(seq_id)`, which the scheduler calls when it frees a
+sequence's pages or pauses it to replay (optional: dense-only runners need not have it).
 """
 
 from __future__ import annotations

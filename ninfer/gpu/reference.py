@@ -23,9 +23,18 @@ A row whose SampleSpec asks for them also gets the logits of every position
 (`hidden_layers`; -1 = the final hidden row).
 
 All rows' tokens go through each linear as one [T, d] matmul (BLAS); only attention loops over
-rows. Weights are dequantized once at construction. The KV pool holds, per layer,
+rows. Weights are dequantized once at construction. The KV pool holds, per full-attention layer,
 `k[num_pages, page_size, num_kv_heads, head_dim]` and `v` alike; position p of a row lives in
 page `page_table[p // page_size]`, slot `p % page_size`.
+
+Hybrid models (qwen35, `spec.is_hybrid`) differ in three places: full-attention layers rotate
+only the first `spec.rotary_dim` dims of each head and gate their output
+(`attn * sigmoid(gate)`, the gate coming out of wq beside q); linear-attention layers run
+Gated DeltaNet (`gdn.py`: the chunked form over a prefill row, the recurrent form over the
+batch's decode rows) instead of attention; and each sequence carries recurrent state, kept here
+by sequence id (`gdn.StateStore`): a row at position 0 starts it, each later row must continue
+exactly where it ends, `release_sequence` drops it. A step's new states are committed only
+once the whole forward succeeded.
 """
 
 from __future__ import annotations
@@ -36,21 +45,29 @@ import attrs
 import numpy as np
 
 from ninfer.core.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit, check_hidden_layers
-from ninfer.gpu import sampling
-from ninfer.models.spec import ModelSpec
+from ninfer.gpu import gdn, sampling
+from ninfer.models.spec import LINEAR_ATTENTION, ModelSpec
 from ninfer.models.weights import ModelWeights
 
 
 @attrs.frozen(eq=False)
-class _Layer:
-    """One layer's float weights, each matrix transposed to [in, out] for `x @ w`."""
+class _Attention:
+    """A full-attention mixer's float weights, each matrix transposed to [in, out] for `x @ w`."""
 
-    attn_norm: np.ndarray
-    w_qkv: np.ndarray  # [d_model, q_dim + 2 * kv_dim]: q, k, v fused into one matmul
+    w_qkv: np.ndarray  # [d_model, q rows + 2 * kv_dim]: q (with its gate rows), k, v fused
     b_qkv: np.ndarray | None
     q_norm: np.ndarray | None
     k_norm: np.ndarray | None
     w_o: np.ndarray  # [q_dim, d_model]
+
+
+@attrs.frozen(eq=False)
+class _Layer:
+    """One decoder block: a token mixer (attention or GDN) and the SwiGLU feed-forward."""
+
+    attn_norm: np.ndarray
+    mixer: _Attention | gdn.GdnLayer
+    slot: int  # index among layers of its kind: in the KV pool, or in a sequence's GDN states
     ffn_norm: np.ndarray
     w_gate_up: np.ndarray  # [d_model, 2 * d_ffn]: gate then up, fused
     w_down: np.ndarray  # [d_ffn, d_model]
@@ -64,12 +81,16 @@ class _Batch:
     pages: np.ndarray  # int64 [T]: page holding each token's K/V
     slots: np.ndarray  # int64 [T]: slot within that page
     row_starts: np.ndarray  # int64 [num_rows + 1]: token offsets of each row in the batch
-    cos: np.ndarray  # [T, 1, head_dim // 2] RoPE cosines at each token's position
+    cos: np.ndarray  # [T, 1, rotary_dim // 2] RoPE cosines at each token's position
     sin: np.ndarray
     multi_rows: tuple[int, ...]  # rows with several new tokens: attended one row at a time
+    single_rows: tuple[int, ...]  # rows with one new token (decode): batched
     single_tokens: np.ndarray  # int64 [R]: batch index of each single-token row's token
     single_tables: np.ndarray  # int64 [R, max pages]: their page tables, padded with page 0
     single_lengths: np.ndarray  # int64 [R]: their context lengths (start_pos + 1)
+    # per row, per linear-attention layer (hybrids; else empty): advanced layer by layer during
+    # the forward, committed to the runner only once the whole step succeeded
+    gdn_states: list[list[gdn.GdnState]]
 
 
 class ReferenceRunner(SyncSubmit):
@@ -88,9 +109,10 @@ class ReferenceRunner(SyncSubmit):
         self._head = self._embed if spec.tie_embeddings else self._float(weights["lm_head"])
         self._final_norm = self._float(weights["final_norm"])
         self._layers = [self._load_layer(weights, i) for i in range(spec.num_layers)]
-        kv_shape = (spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+        kv_shape = (len(spec.attention_layers), num_pages, page_size, spec.num_kv_heads, spec.head_dim)
         self._k = np.zeros(kv_shape, dtype=self.dtype)
         self._v = np.zeros(kv_shape, dtype=self.dtype)
+        self._states = gdn.StateStore(spec.gdn, len(spec.gdn_layers), self.dtype) if spec.is_hybrid else None
 
     @property
     def page_nbytes(self) -> int:
@@ -102,7 +124,8 @@ class ReferenceRunner(SyncSubmit):
         """Bytes of the float weights this runner reads per forward."""
         arrays = [self._embed, self._final_norm, *([] if self._head is self._embed else [self._head])]
         for layer in self._layers:
-            arrays += [a for a in attrs.astuple(layer, recurse=False) if a is not None]
+            parts = [*attrs.astuple(layer, recurse=False), *attrs.astuple(layer.mixer, recurse=False)]
+            arrays += [a for a in parts if hasattr(a, "nbytes")]  # arrays (or a subclass's matrices)
         return sum(int(a.nbytes) for a in arrays)
 
     @property
@@ -123,47 +146,85 @@ class ReferenceRunner(SyncSubmit):
         kept = {k for row in rows if row.sample is not None for k in row.sample.hidden_layers if k >= 0}
         layer_x = {}  # layer -> its output x [T, d] (each layer makes a new array)
         for index, layer in enumerate(self._layers):
-            x = self._layer_forward(index, layer, x, rows, batch)
+            x = self._layer_forward(layer, x, rows, batch)
             if index in kept:
                 layer_x[index] = x
-        return self._sample(x, rows, batch, layer_x)
+        results = self._sample(x, rows, batch, layer_x)
+        for row, states in zip(rows, batch.gdn_states):  # the forward succeeded: keep the new states
+            self._states.commit(row.seq_id, row.start_pos + len(row.token_ids), states)
+        return results
 
-    def _layer_forward(self, index: int, layer: _Layer, x: np.ndarray, rows, batch: _Batch) -> np.ndarray:
+    def _layer_forward(self, layer: _Layer, x: np.ndarray, rows, batch: _Batch) -> np.ndarray:
         spec = self.spec
-        num_tokens = x.shape[0]
-        # Attention block: fused q/k/v projection for every token of every row at once.
-        qkv = rms_norm(x, layer.attn_norm, spec.rms_eps) @ layer.w_qkv
-        if layer.b_qkv is not None:
-            qkv += layer.b_qkv
-        q = qkv[:, : spec.q_dim].reshape(num_tokens, spec.num_heads, spec.head_dim)
-        k = qkv[:, spec.q_dim : spec.q_dim + spec.kv_dim].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        v = qkv[:, spec.q_dim + spec.kv_dim :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
-        if layer.q_norm is not None:  # qwen3: per-head RMSNorm before RoPE
-            q = rms_norm(q, layer.q_norm, spec.rms_eps)
-            k = rms_norm(k, layer.k_norm, spec.rms_eps)
-        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
-        self._k[index, batch.pages, batch.slots] = k
-        self._v[index, batch.pages, batch.slots] = v
-        attn = np.empty((num_tokens, spec.q_dim), dtype=self.dtype)
-        for r in batch.multi_rows:
-            lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
-            attn[lo:hi] = self._attend(index, rows[r], q[lo:hi])
-        if batch.single_tokens.size:
-            attn[batch.single_tokens] = self._attend_singles(index, q[batch.single_tokens], batch)
-        x = x + attn @ layer.w_o
+        # Token mixer: attention over the KV pages, or Gated DeltaNet over the recurrent state.
+        h = rms_norm(x, layer.attn_norm, spec.rms_eps)
+        if isinstance(layer.mixer, _Attention):
+            x = x + self._attention(layer.mixer, layer.slot, h, rows, batch)
+        else:
+            x = x + self._gdn(layer.mixer, layer.slot, h, batch)
         # Feed-forward block: SwiGLU.
         gate_up = rms_norm(x, layer.ffn_norm, spec.rms_eps) @ layer.w_gate_up
         gate, up = gate_up[:, : spec.d_ffn], gate_up[:, spec.d_ffn :]
         return x + (silu(gate) * up) @ layer.w_down
 
-    def _attend(self, index: int, row: StepRow, q: np.ndarray) -> np.ndarray:
+    def _attention(self, mixer: _Attention, slot: int, h: np.ndarray, rows, batch: _Batch) -> np.ndarray:
+        spec = self.spec
+        num_tokens = h.shape[0]
+        # Fused q/k/v projection for every token of every row at once.
+        qkv = h @ mixer.w_qkv
+        if mixer.b_qkv is not None:
+            qkv += mixer.b_qkv
+        q_rows = 2 * spec.q_dim if spec.has_attn_gate else spec.q_dim
+        q = qkv[:, :q_rows].reshape(num_tokens, spec.num_heads, -1)
+        gate = None
+        if spec.has_attn_gate:  # per head: head_dim query dims, then head_dim gate dims
+            q, gate = q[..., : spec.head_dim], q[..., spec.head_dim :].reshape(num_tokens, spec.q_dim)
+        k = qkv[:, q_rows : q_rows + spec.kv_dim].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, q_rows + spec.kv_dim :].reshape(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if mixer.q_norm is not None:  # qwen3 / qwen35: per-head RMSNorm before RoPE
+            q = rms_norm(q, mixer.q_norm, spec.rms_eps)
+            k = rms_norm(k, mixer.k_norm, spec.rms_eps)
+        q, k = apply_rope(q, batch.cos, batch.sin), apply_rope(k, batch.cos, batch.sin)
+        self._k[slot, batch.pages, batch.slots] = k
+        self._v[slot, batch.pages, batch.slots] = v
+        attn = np.empty((num_tokens, spec.q_dim), dtype=self.dtype)
+        for r in batch.multi_rows:
+            lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+            attn[lo:hi] = self._attend(slot, rows[r], q[lo:hi])
+        if batch.single_tokens.size:
+            attn[batch.single_tokens] = self._attend_singles(slot, q[batch.single_tokens], batch)
+        if gate is not None:
+            attn *= gdn.sigmoid(gate)
+        return attn @ mixer.w_o
+
+    def _gdn(self, mixer: gdn.GdnLayer, j: int, h: np.ndarray, batch: _Batch) -> np.ndarray:
+        """Gated DeltaNet: prefill rows one at a time (chunked form), decode rows batched
+        (recurrent form); each row's state in this layer (slot j) moves past its tokens."""
+        spec = self.spec
+        out = np.empty_like(h)
+        for r in batch.multi_rows:
+            lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+            out[lo:hi], batch.gdn_states[r][j] = gdn.layer_forward(
+                spec.gdn, mixer, h[lo:hi], batch.gdn_states[r][j], spec.rms_eps
+            )
+        singles = batch.single_rows
+        if singles:
+            states = [batch.gdn_states[r][j] for r in singles]
+            out[batch.single_tokens], states = gdn.decode_forward(
+                spec.gdn, mixer, h[batch.single_tokens], states, spec.rms_eps
+            )
+            for r, state in zip(singles, states, strict=True):
+                batch.gdn_states[r][j] = state
+        return out
+
+    def _attend(self, slot: int, row: StepRow, q: np.ndarray) -> np.ndarray:
         """Causal GQA attention of one row's queries [n, H, hd] over its pages -> [n, H * hd]."""
         spec = self.spec
         num_new = q.shape[0]
         num_ctx = row.start_pos + num_new
         page_ids = np.asarray(row.page_table[: -(-num_ctx // self.page_size)], dtype=np.int64)
-        keys = self._k[index, page_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_ctx]
-        values = self._v[index, page_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_ctx]
+        keys = self._k[slot, page_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_ctx]
+        values = self._v[slot, page_ids].reshape(-1, spec.num_kv_heads, spec.head_dim)[:num_ctx]
         # [KV, G * n, hd]: query head h = kv * G + g shares KV head kv = h // G.
         q_grouped = q.reshape(num_new, spec.num_kv_heads, spec.group_size, spec.head_dim)
         q_grouped = q_grouped.transpose(1, 2, 0, 3).reshape(spec.num_kv_heads, -1, spec.head_dim)
@@ -178,7 +239,7 @@ class ReferenceRunner(SyncSubmit):
         out = out.reshape(spec.num_kv_heads, spec.group_size, num_new, spec.head_dim)
         return out.transpose(2, 0, 1, 3).reshape(num_new, spec.q_dim)
 
-    def _attend_singles(self, index: int, q: np.ndarray, batch: _Batch) -> np.ndarray:
+    def _attend_singles(self, slot: int, q: np.ndarray, batch: _Batch) -> np.ndarray:
         """Attention of single-token rows (decode), batched: queries [R, H, hd] -> [R, H * hd].
 
         Each row's context is gathered from its pages into one [R, S, KV, hd] block padded to
@@ -187,8 +248,8 @@ class ReferenceRunner(SyncSubmit):
         spec = self.spec
         num_rows = q.shape[0]
         shape = (num_rows, -1, spec.num_kv_heads, spec.head_dim)
-        keys = self._k[index, batch.single_tables].reshape(shape)  # [R, S, KV, hd]
-        values = self._v[index, batch.single_tables].reshape(shape)
+        keys = self._k[slot, batch.single_tables].reshape(shape)  # [R, S, KV, hd]
+        values = self._v[slot, batch.single_tables].reshape(shape)
         q_grouped = q.reshape(num_rows, spec.num_kv_heads, spec.group_size, spec.head_dim)
         scores = q_grouped @ keys.transpose(0, 2, 3, 1)  # [R, KV, G, S]
         scores *= np.float32(1.0 / np.sqrt(spec.head_dim))
@@ -207,7 +268,7 @@ class ReferenceRunner(SyncSubmit):
         logits = self._head_logits(x_last)
         for r, row_x, row_logits in zip(wanted, x_last, logits, strict=True):
             spec = rows[r].sample
-            results[r] = sampling.sample(row_logits, spec)
+            results[r] = sampling.sample(row_logits, spec, num_ids=self.spec.tokenizer_vocab_size)
             extra = {}
             if spec.want_hidden:
                 extra["hidden"] = rms_norm(row_x, self._final_norm, self.spec.rms_eps).astype(np.float32)
@@ -256,10 +317,18 @@ class ReferenceRunner(SyncSubmit):
             cos=cos[:, None],
             sin=sin[:, None],
             multi_rows=tuple(r for r, row in enumerate(rows) if len(row.token_ids) > 1),
+            single_rows=tuple(singles),
             single_tokens=row_starts[singles],
             single_tables=tables,
             single_lengths=lengths,
+            gdn_states=self._start_states(rows),
         )
+
+    def _start_states(self, rows: Sequence[StepRow]) -> list[list[gdn.GdnState]]:
+        """Each row's GDN states to continue from, checked before anything runs (hybrids)."""
+        if self._states is None:
+            return []
+        return [self._states.start(row.seq_id, row.start_pos) for row in rows]
 
     def _padded_tables(self, rows: Sequence[StepRow]) -> tuple[np.ndarray, np.ndarray]:
         """Page tables of single-token rows as one [R, max pages] array, and context lengths."""
@@ -294,10 +363,28 @@ class ReferenceRunner(SyncSubmit):
         self._k[:, dst] = self._k[:, src]
         self._v[:, dst] = self._v[:, src]
 
+    # -- recurrent state (hybrid models) -------------------------------------------------
+
+    def release_sequence(self, seq_id: int) -> None:
+        """Drop a sequence's recurrent state (it finished, or paused to replay); no-op without."""
+        if self._states is not None:
+            self._states.release(seq_id)
+
+    @property
+    def num_recurrent_states(self) -> int:
+        """Sequences whose recurrent state this runner holds (0 for dense models)."""
+        return 0 if self._states is None else len(self._states)
+
+    def recurrent_state(self, seq_id: int) -> gdn.SequenceState | None:
+        """A sequence's recurrent state (tests and tools; the arrays are the runner's own)."""
+        return None if self._states is None else self._states.get(seq_id)
+
     def close(self) -> None:
-        """Drop the KV pool and weights (numpy frees them with the last reference)."""
+        """Drop the KV pool, the recurrent states and the weights."""
         self._k = self._v = np.zeros((0,), dtype=self.dtype)
         self._layers = []
+        if self._states is not None:
+            self._states.clear()
 
     # -- construction --------------------------------------------------------------------
 
@@ -314,17 +401,35 @@ class ReferenceRunner(SyncSubmit):
                 raise ValueError(f"{self.spec.arch} weights lack layers.{i}.{name}")
             return tensor
 
-        has_bias = self.spec.has_qkv_bias
+        spec = self.spec
+        is_gdn = spec.layer_type(i) == LINEAR_ATTENTION
         return _Layer(
             attn_norm=self._float(get("attn_norm")),
-            w_qkv=self._transposed(get("wq"), get("wk"), get("wv")),
-            b_qkv=np.concatenate([self._float(get(b)) for b in ("bq", "bk", "bv")]) if has_bias else None,
-            q_norm=self._float(get("q_norm")) if self.spec.has_qk_norm else None,
-            k_norm=self._float(get("k_norm")) if self.spec.has_qk_norm else None,
-            w_o=self._transposed(get("wo")),
+            mixer=self._load_gdn(get) if is_gdn else self._load_attention(get),
+            slot=(spec.gdn_layers if is_gdn else spec.attention_layers).index(i),
             ffn_norm=self._float(get("ffn_norm")),
             w_gate_up=self._transposed(get("w_gate"), get("w_up")),
             w_down=self._transposed(get("w_down")),
+        )
+
+    def _load_attention(self, get) -> _Attention:
+        has_bias, has_norm = self.spec.has_qkv_bias, self.spec.has_qk_norm
+        return _Attention(
+            w_qkv=self._transposed(get("wq"), get("wk"), get("wv")),
+            b_qkv=np.concatenate([self._float(get(b)) for b in ("bq", "bk", "bv")]) if has_bias else None,
+            q_norm=self._float(get("q_norm")) if has_norm else None,
+            k_norm=self._float(get("k_norm")) if has_norm else None,
+            w_o=self._transposed(get("wo")),
+        )
+
+    def _load_gdn(self, get) -> gdn.GdnLayer:
+        return gdn.GdnLayer(
+            w_in=self._transposed(get("gdn_qkv"), get("gdn_z"), get("gdn_beta"), get("gdn_alpha")),
+            conv=self._transposed(get("gdn_conv")),
+            dt_bias=self._float(get("gdn_dt_bias")),
+            a=self._float(get("gdn_a")),
+            norm=self._float(get("gdn_norm")),
+            w_out=self._transposed(get("gdn_out")),
         )
 
 
@@ -338,20 +443,23 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_angles(spec: ModelSpec, positions: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [len(positions), head_dim // 2] of pos * theta^(-2i / head_dim).
+    """cos and sin [len(positions), rotary_dim // 2] of pos * theta^(-2i / rotary_dim)
+    (rotary_dim = head_dim unless the model rotates only part of each head).
 
     Angles are computed in float64 and rounded once, so long positions lose no precision.
     """
-    inv_freq = spec.rope_theta ** (-np.arange(0, spec.head_dim, 2, dtype=np.float64) / spec.head_dim)
+    dim = spec.rotary_dim
+    inv_freq = spec.rope_theta ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Split-half RoPE: first half a, second half b -> (a cos - b sin, b cos + a sin)."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+    """Split-half RoPE over the first 2 * cos.shape[-1] dims (all of them unless partial):
+    first half a, second half b -> (a cos - b sin, b cos + a sin); the other dims pass."""
+    half = cos.shape[-1]
+    a, b = x[..., :half], x[..., half : 2 * half]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin, x[..., 2 * half :]], axis=-1)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

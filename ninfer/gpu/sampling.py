@@ -24,6 +24,12 @@ module), so the steps are written out plainly, in the order they apply:
 
 Zero-weight tokens (masked, or exp underflow) can never be drawn by step 7, so they are
 dropped before sorting; that changes no result and keeps the sort short.
+
+Padded vocabularies: where the model's head has more rows than the tokenizer has ids
+(`num_ids`, from `ModelSpec.tokenizer_vocab_size`), every step runs on the first `num_ids`
+logits only: the padding ids are never sampled, never in the top-k read-out, and the
+log-probabilities are normalised over real tokens (a scored padding id reads -inf). The
+`logits` returned with `want_logits` stay the raw, full row.
 """
 
 from __future__ import annotations
@@ -145,11 +151,16 @@ def draw(weights: np.ndarray, u: float) -> int:
     return min(index, weights.shape[0] - 1)
 
 
-def sample(logits: np.ndarray, spec: SampleSpec) -> SampledToken:
-    """Sample one token from a float32 [vocab] logits row (steps 1-7 of the module doc)."""
+def sample(logits: np.ndarray, spec: SampleSpec, *, num_ids: int | None = None) -> SampledToken:
+    """Sample one token from a float32 [vocab] logits row (steps 1-7 of the module doc);
+    only ids below `num_ids` (the tokenizer's, when the head is padded past it) take part."""
     raw = np.asarray(logits, dtype=np.float32)
-    logprobs = log_softmax(raw)
-    scores = apply_mask(apply_penalties(raw, spec), spec.allowed)
+    real = raw if num_ids is None or num_ids >= raw.shape[0] else raw[:num_ids]
+    logprobs = log_softmax(real)
+    allowed = spec.allowed
+    if allowed is not None and allowed.shape[0] > real.shape[0]:
+        allowed = allowed[: real.shape[0]]  # a grammar's mask over the whole head
+    scores = apply_mask(apply_penalties(real, spec), allowed)
     if spec.params.is_greedy:
         token_id = int(np.argmax(scores))
     else:
@@ -162,25 +173,29 @@ def sample(logits: np.ndarray, spec: SampleSpec) -> SampledToken:
         top_ids=top,
         top_logprobs=None if top is None else logprobs[top].astype(np.float32),
         logits=raw.copy() if spec.want_logits else None,
-        score_logprobs=score_logprobs(logprobs, spec.score_ids),
+        score_logprobs=score_logprobs(logprobs, spec.score_ids, vocab_size=raw.shape[0]),
     )
 
 
-def score_logprobs(logprobs: np.ndarray, score_ids: np.ndarray | None) -> np.ndarray | None:
-    """float32 log-probabilities of `score_ids` (None when there are none) from a log_softmax row."""
+def score_logprobs(logprobs: np.ndarray, score_ids: np.ndarray | None, *,
+                   vocab_size: int | None = None) -> np.ndarray | None:  # fmt: skip
+    """float32 log-probabilities of `score_ids` (None when there are none) from a log_softmax row;
+    ids past the row but inside `vocab_size` (a padded head's padding) read -inf."""
     if score_ids is None:
         return None
     ids = np.asarray(score_ids, dtype=np.int64).reshape(-1)
-    if ids.size and (ids.min() < 0 or ids.max() >= logprobs.shape[0]):
-        raise ValueError(f"score ids must be in [0, {logprobs.shape[0]})")
-    return logprobs[ids].astype(np.float32)
+    limit = max(vocab_size or 0, logprobs.shape[0])
+    if ids.size and (ids.min() < 0 or ids.max() >= limit):
+        raise ValueError(f"score ids must be in [0, {limit})")
+    padded = np.concatenate([logprobs, np.full(limit - logprobs.shape[0], -np.inf, np.float32)])
+    return padded[ids].astype(np.float32)
 
 
-def sample_rows(logits: np.ndarray, specs: Sequence[SampleSpec]) -> list[SampledToken]:
+def sample_rows(logits: np.ndarray, specs: Sequence[SampleSpec], *, num_ids: int | None = None) -> list[SampledToken]:
     """Sample each row of float32 [n, vocab] logits with its own spec."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"{logits.shape[0]} logits rows for {len(specs)} sample specs")
-    return [sample(row, spec) for row, spec in zip(logits, specs, strict=True)]
+    return [sample(row, spec, num_ids=num_ids) for row, spec in zip(logits, specs, strict=True)]
 
 
 def _ids(ids: np.ndarray | None) -> np.ndarray:

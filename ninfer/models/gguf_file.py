@@ -4,6 +4,9 @@ The file is memory-mapped by `gguf.GGUFReader`; tensors stay in their stored (of
 form and are never dequantized here. Only llama-arch Q/K matrices are copied, to undo the row
 permutation llama.cpp's converter applies for its interleaved RoPE (left in place, the split-half
 rotation would pair the wrong dimensions): canonical weights use the split-half rotation.
+
+`qwen35` (Qwen3.5 hybrids) files load with llama.cpp's tensor names and conventions, which are
+the canonical ones (qwen35.py); `qwen3next` / `qwen35moe` (MoE hybrids) are refused.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ninfer.models import qwen35
 from ninfer.models.chat_template import ChatTemplate, ChatTemplateError
 from ninfer.models.errors import ModelLoadError
 from ninfer.models.loaded import LoadedModel
@@ -47,12 +51,14 @@ def load_gguf(path: str | Path, *, progress: bool = False) -> LoadedModel:
     meta = _Metadata(reader, path)
     spec = _read_spec(meta, reader)
     tokenizer = _read_tokenizer(meta)
-    weights = _read_weights(reader, spec, path, progress=progress)
+    # qwen35 files may append multi-token-prediction blocks (counted in block_count): skipped
+    num_mtp_blocks = int(meta.arch_key("nextn_predict_layers", 0)) if meta.arch == "qwen35" else 0
+    weights = _read_weights(reader, spec, path, progress=progress, num_skipped_blocks=num_mtp_blocks)
     return LoadedModel(
         name=_model_name(meta, path),
         path=path,
         file_format="gguf",
-        spec=spec,
+        spec=spec.for_tokenizer(tokenizer.vocab_size),
         weights=weights,
         tokenizer=tokenizer,
         chat_template=_read_chat_template(meta, tokenizer),
@@ -107,6 +113,8 @@ def _as_float32_decimal(value: float) -> float:
 
 
 def _read_spec(meta: _Metadata, reader) -> ModelSpec:
+    if meta.arch in qwen35.MOE_GGUF_ARCHS:
+        raise ModelLoadError(f"{meta.path.name}: architecture {meta.arch!r} {qwen35.MOE_REFUSAL}.")
     if meta.arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(
             f"{meta.path.name}: architecture {meta.arch!r} is not supported "
@@ -117,30 +125,41 @@ def _read_spec(meta: _Metadata, reader) -> ModelSpec:
         raise ModelLoadError(f"{meta.path.name}: RoPE scaling {scaling!r} is not supported yet.")
     num_heads = int(meta.arch_key("attention.head_count", required=True))
     num_kv_heads = meta.arch_key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list) and meta.arch == "qwen35":
+        # hybrid files may list 0 KV heads for the linear-attention layers
+        num_kv_heads = max(num_kv_heads) if len(set(num_kv_heads) - {0}) == 1 else num_kv_heads
     if isinstance(num_kv_heads, list):
         raise ModelLoadError(f"{meta.path.name}: a per-layer KV head count is not supported.")
     d_model = int(meta.arch_key("embedding_length", required=True))
     head_dim = int(meta.arch_key("attention.key_length", d_model // num_heads))
     if int(meta.arch_key("attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"{meta.path.name}: key and value head sizes differ, which is not supported.")
-    if int(meta.arch_key("rope.dimension_count", head_dim)) != head_dim:
+    if int(meta.arch_key("rope.dimension_count", head_dim)) != head_dim and meta.arch != "qwen35":
         raise ModelLoadError(f"{meta.path.name}: partial rotary embeddings are not supported.")
     names = {t.name for t in reader.tensors}
-    vocab = meta.arch_key("vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    # the embedding's rows: a vocabulary padded past the tokenizer's (its ids are never sampled)
+    vocab = int(embed.shape[-1]) if embed is not None and len(embed.shape) == 2 else None
+    vocab = vocab or meta.arch_key("vocab_size") or len(meta.require("tokenizer.ggml.tokens"))
+    common = dict(
+        arch=meta.arch,
+        num_layers=int(meta.arch_key("block_count", required=True)),
+        d_model=d_model,
+        d_ffn=int(meta.arch_key("feed_forward_length", required=True)),
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv_heads),
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        max_context=int(meta.arch_key("context_length", required=True)),
+        rope_theta=_as_float32_decimal(meta.arch_key("rope.freq_base", 10000.0)),
+        rms_eps=_as_float32_decimal(meta.arch_key("attention.layer_norm_rms_epsilon", required=True)),
+        tie_embeddings="output.weight" not in names,
+    )
     try:
+        if meta.arch == "qwen35":
+            return qwen35.spec_from_gguf(meta, common)
         return ModelSpec(
-            arch=meta.arch,
-            num_layers=int(meta.arch_key("block_count", required=True)),
-            d_model=d_model,
-            d_ffn=int(meta.arch_key("feed_forward_length", required=True)),
-            num_heads=num_heads,
-            num_kv_heads=int(num_kv_heads),
-            head_dim=head_dim,
-            vocab_size=int(vocab),
-            max_context=int(meta.arch_key("context_length", required=True)),
-            rope_theta=_as_float32_decimal(meta.arch_key("rope.freq_base", 10000.0)),
-            rms_eps=_as_float32_decimal(meta.arch_key("attention.layer_norm_rms_epsilon", required=True)),
-            tie_embeddings="output.weight" not in names,
+            **common,
             has_qkv_bias="blk.0.attn_q.bias" in names,
             has_qk_norm="blk.0.attn_q_norm.weight" in names,
         )
@@ -183,12 +202,13 @@ def _model_name(meta: _Metadata, path: Path) -> str:
     return public_id_for_file(path) or meta.get("general.name") or path.stem
 
 
-def _canonical_name(gguf_name: str) -> str | None:
+def _canonical_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_names = qwen35.GGUF_LAYER_NAMES if arch == "qwen35" else _LAYER_TENSORS
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
-        return f"layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+        return f"layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
@@ -226,25 +246,33 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
 
 
-def _read_weights(reader, spec: ModelSpec, path: Path, *, progress: bool) -> ModelWeights:
+def _read_weights(reader, spec: ModelSpec, path: Path, *, progress: bool, num_skipped_blocks: int = 0) -> ModelWeights:
     from tqdm import tqdm
 
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ModelLoadError(f"{path.name}: per-frequency RoPE scaling (rope_freqs) is not supported yet.")
+    hybrid_shapes = qwen35.expected_shapes(spec) if spec.arch == "qwen35" else None
     expected = _expected_shapes(spec)
     tensors: dict[str, StoredTensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        name = _canonical_name(t.name)
+        match = _LAYER_NAME.fullmatch(t.name)
+        if match and spec.num_layers <= int(match.group(1)) < spec.num_layers + num_skipped_blocks:
+            continue
+        name = _canonical_name(t.name, spec.arch)
         if name is None:
             raise ModelLoadError(
                 f"{path.name}: tensor {t.name} is not part of a supported {spec.arch} model."
             )
         stored = _stored_tensor(t, path)
         role = name.rsplit(".", 1)[-1]
-        if stored.shape != expected[role]:
-            raise ModelLoadError(
-                f"{path.name}: tensor {t.name} has shape {stored.shape}, expected {expected[role]}."
-            )
+        want = expected[role] if hybrid_shapes is None else hybrid_shapes.get(name)
+        if want is None and _layer_of(name) >= spec.num_layers:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} lies beyond the {spec.num_layers} layers declared.")
+        if want is None:
+            kind = spec.layer_type(_layer_of(name)).replace("_", "-")
+            raise ModelLoadError(f"{path.name}: tensor {t.name} does not belong in a {kind} layer.")
+        if stored.shape != want:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} has shape {stored.shape}, expected {want}.")
         if spec.arch == "llama" and role in ("wq", "bq", "wk", "bk"):
             heads = spec.num_heads if role in ("wq", "bq") else spec.num_kv_heads
             stored = stored.take_rows(_rope_unpermute_order(stored.shape[0], heads))
@@ -253,7 +281,21 @@ def _read_weights(reader, spec: ModelSpec, path: Path, *, progress: bool) -> Mod
     return ModelWeights(tensors, spec.num_layers)
 
 
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[1]) if name.startswith("layers.") else 0
+
+
 def _check_complete(tensors: dict[str, StoredTensor], spec: ModelSpec, path: Path) -> None:
+    extra = [n for n in tensors if n.startswith("layers.") and _layer_of(n) >= spec.num_layers]
+    if extra:
+        raise ModelLoadError(
+            f"{path.name}: tensor {extra[0]} lies beyond the {spec.num_layers} layers declared."
+        )
+    if spec.arch == "qwen35":
+        missing = [n for n in qwen35.expected_shapes(spec) if n not in tensors]
+        if missing:
+            raise ModelLoadError(f"{path.name}: {len(missing)} tensors are missing, starting with {missing[0]}.")
+        return
     needed = ["embed", "final_norm"] + ([] if spec.tie_embeddings else ["lm_head"])
     per_layer = list(_REQUIRED_LAYER)
     per_layer += ["bq", "bk", "bv"] if spec.has_qkv_bias else []
@@ -262,8 +304,3 @@ def _check_complete(tensors: dict[str, StoredTensor], spec: ModelSpec, path: Pat
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise ModelLoadError(f"{path.name}: {len(missing)} tensors are missing, starting with {missing[0]}.")
-    extra = [n for n in tensors if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]
-    if extra:
-        raise ModelLoadError(
-            f"{path.name}: tensor {extra[0]} lies beyond the {spec.num_layers} layers declared."
-        )

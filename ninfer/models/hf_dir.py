@@ -1,6 +1,7 @@
 """`load_hf_dir(path)`: a Hugging Face style model directory (config.json + *.safetensors).
 
-Supported: llama, qwen2 and qwen3 dense decoders with plain RoPE. Hugging Face checkpoints
+Supported: llama, qwen2 and qwen3 dense decoders with plain RoPE, and Qwen3.5 hybrids (qwen3_5,
+qwen3_5_text; converted to canonical form by qwen35.py). Hugging Face checkpoints
 already use the split-half (`rotate_half`) RoPE layout that canonical weights use, so Q/K rows
 are taken as stored (unlike GGUF llama files, nothing is permuted).
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ninfer.models import qwen35
 from ninfer.models.errors import ModelLoadError
 from ninfer.models.loaded import LoadedModel
 from ninfer.models.spec import ModelSpec
@@ -64,7 +66,7 @@ def load_hf_dir(path: str | Path, *, progress: bool = False) -> LoadedModel:
         name=path.name,
         path=path,
         file_format="hf",
-        spec=spec,
+        spec=spec.for_tokenizer(tokenizer.vocab_size),
         weights=weights,
         tokenizer=tokenizer,
         chat_template=_chat_template(path, tokenizer_config),
@@ -89,6 +91,13 @@ def read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
 
 def spec_from_config(config: dict[str, Any], *, source: Path | str = "config.json") -> ModelSpec:
     """The `ModelSpec` a Hugging Face config.json describes, or a ModelLoadError saying why not."""
+    if config.get("model_type") in qwen35.MOE_MODEL_TYPES:
+        raise ModelLoadError(f"{source}: {config['model_type']} {qwen35.MOE_REFUSAL}")
+    if qwen35.is_hf_config(config):
+        try:
+            return qwen35.spec_from_hf_config(config, source)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source} has a missing or invalid hyper-parameter ({exc})") from None
     arch = _arch(config, source)
     _check_supported(config, arch, source)
     num_heads = int(config["num_attention_heads"])
@@ -126,6 +135,8 @@ def canonical_name(hf_name: str) -> str | None:
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical name -> shape of every tensor the spec needs."""
+    if spec.arch == "qwen35":
+        return qwen35.expected_shapes(spec)
     shapes: dict[str, tuple[int, ...]] = {
         "embed": (spec.vocab_size, spec.d_model),
         "final_norm": (spec.d_model,),
@@ -162,6 +173,11 @@ def read_weights(path: Path, spec: ModelSpec, *, progress: bool = False) -> Mode
         shards = tqdm(shards, desc="loading safetensors", unit="shard")
     for shard in shards:
         for hf_name, tensor in read_safetensors(shard).items():
+            if spec.arch == "qwen35":
+                converted = qwen35.convert_hf_tensor(hf_name, tensor, spec, shard)
+                if converted is not None:
+                    tensors[converted[0]] = converted[1]
+                continue
             name = canonical_name(hf_name)
             if name is None:
                 if hf_name.endswith(_IGNORED_SUFFIXES):
@@ -315,7 +331,8 @@ def _declared_stop_ids(path: Path, config: dict[str, Any]) -> tuple[int, ...]:
     """End-of-generation ids of generation_config.json and config.json (int or list each)."""
     generation = read_json(path / "generation_config.json", required=False) or {}
     ids: list[int] = []
-    for value in (generation.get("eos_token_id"), config.get("eos_token_id")):
+    text = config.get("text_config") or {}  # multimodal configs keep the text model's ids there
+    for value in (generation.get("eos_token_id"), config.get("eos_token_id"), text.get("eos_token_id")):
         ids.extend([value] if isinstance(value, int) else value or [])
     return tuple(dict.fromkeys(int(i) for i in ids))
 

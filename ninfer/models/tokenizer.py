@@ -262,7 +262,11 @@ class Tokenizer:
         return _WindowDetokenizer(self, skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for (exact for byte-level and byte-fallback vocabularies)."""
+        """The bytes one token stands for (exact for byte-level and byte-fallback vocabularies);
+        none for an id past the tokenizer (a padded head's row: samplers mask those, this keeps
+        a backend that does not from failing the request)."""
+        if not 0 <= token_id < self.vocab_size:
+            return b""
         if self._token_bytes is None:
             self._token_bytes = [None] * self.vocab_size
         cached = self._token_bytes[token_id]

@@ -12,12 +12,28 @@ Canonical names (i is the layer index):
     lm_head                       [vocab, d_model]   absent when spec.tie_embeddings
     layers.{i}.attn_norm          [d_model]
     layers.{i}.wq / wk / wv       [q_dim | kv_dim, d_model]
+                                  wq is [2 * q_dim, d_model] with spec.has_attn_gate: per head,
+                                  head_dim query rows then head_dim output-gate rows
     layers.{i}.bq / bk / bv       [q_dim | kv_dim]   qwen2 only (spec.has_qkv_bias)
     layers.{i}.q_norm / k_norm    [head_dim]         qwen3 only (spec.has_qk_norm)
     layers.{i}.wo                 [d_model, q_dim]
     layers.{i}.ffn_norm           [d_model]
     layers.{i}.w_gate / w_up      [d_ffn, d_model]
     layers.{i}.w_down             [d_model, d_ffn]
+
+Linear-attention (Gated DeltaNet) layers of a hybrid model (spec.gdn; K = key_dim, V =
+value_dim, nv = num_v_heads) have no wq .. wo; their token mixer is, in llama.cpp's layout
+(value heads in tiled order: value head p reads key head p % num_k_heads):
+
+    layers.{i}.gdn_qkv            [2K + V, d_model]   q, k, v rows (the conv1d's channels)
+    layers.{i}.gdn_z              [V, d_model]        gate of the output norm
+    layers.{i}.gdn_beta           [nv, d_model]       write strength, sigmoid(h @ gdn_beta.T)
+    layers.{i}.gdn_alpha          [nv, d_model]       decay input
+    layers.{i}.gdn_conv           [2K + V, conv_kernel]  depthwise taps, oldest first
+    layers.{i}.gdn_dt_bias        [nv]
+    layers.{i}.gdn_a              [nv]                -exp(A_log): decay g = a * softplus(alpha + dt_bias)
+    layers.{i}.gdn_norm           [head_v_dim]        gated RMSNorm gain
+    layers.{i}.gdn_out            [d_model, V]
 """
 
 from __future__ import annotations
@@ -35,6 +51,9 @@ STORED_TYPES = FLOAT_TYPES + QUANT_TYPES
 LAYER_NAMES = (
     "attn_norm", "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm",
     "wo", "ffn_norm", "w_gate", "w_up", "w_down",
+)  # fmt: skip
+GDN_LAYER_NAMES = (
+    "gdn_qkv", "gdn_z", "gdn_beta", "gdn_alpha", "gdn_conv", "gdn_dt_bias", "gdn_a", "gdn_norm", "gdn_out",
 )  # fmt: skip
 
 
@@ -86,6 +105,12 @@ class StoredTensor:
     def take_rows(self, order: np.ndarray) -> StoredTensor:
         """The same tensor with its rows reordered (used to undo GGUF's RoPE permutation)."""
         return StoredTensor(self.qtype, self.shape, np.ascontiguousarray(self.data[order]))
+
+    def take_columns(self, order: np.ndarray) -> StoredTensor:
+        """A float matrix with its columns reordered (quantized rows cannot be split)."""
+        if self.is_quantized:
+            raise ValueError(f"cannot reorder the columns of a {self.qtype} tensor")
+        return StoredTensor(self.qtype, self.shape, np.ascontiguousarray(self.data[:, order]))
 
 
 @attrs.frozen(eq=False)

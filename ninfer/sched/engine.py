@@ -77,8 +77,11 @@ def check_capacity(config: EngineConfig, runner: Runner, max_context: int) -> No
 
 
 def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHook:
-    """The prefix cache `config` asks for: device pages plus a host tier of `host_cache_bytes`."""
-    if not config.prefix_cache:
+    """The prefix cache `config` asks for: device pages plus a host tier of `host_cache_bytes`.
+
+    Hybrid models get none: a prefix is reusable only with the recurrent state after it, and
+    no runner keeps checkpoints of that state yet."""
+    if not config.prefix_cache or runner.spec.is_hybrid:
         return NoPrefixCache()
     return PrefixCache(
         page_size=runner.page_size,
@@ -115,7 +118,8 @@ class Engine:
         self._model_stop_ids = frozenset(int(i) for i in stop_token_ids)
         self._executor = executor or trio.to_thread.run_sync
         prefix_cache = prefix_cache or default_prefix_cache(config, runner)
-        self._state = EngineState(PagePool(runner.num_pages), prefix_cache, observer)
+        release_state = getattr(runner, "release_sequence", None)  # runners with recurrent state
+        self._state = EngineState(PagePool(runner.num_pages), prefix_cache, observer, release_state)
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._limits = PlanLimits(
@@ -123,7 +127,9 @@ class Engine:
             prefill_chunk=config.prefill_chunk,
             max_prefill_tokens=config.max_prefill_tokens,
             max_concurrency=config.max_concurrency,
-            host_snapshot_bytes=config.host_snapshot_bytes,
+            # a snapshot holds KV pages only: hybrid models' pauses drop and replay instead,
+            # which recomputes the recurrent state
+            host_snapshot_bytes=0 if runner.spec.is_hybrid else config.host_snapshot_bytes,
             page_nbytes=runner.page_nbytes,
         )
 

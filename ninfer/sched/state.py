@@ -72,8 +72,11 @@ class Ticket:
 
 
 class EngineState:
-    def __init__(self, pool: PagePool, prefix: PrefixCacheHook, observer: RequestObserver | None):
+    def __init__(self, pool: PagePool, prefix: PrefixCacheHook, observer: RequestObserver | None,
+                 release_state: Callable[[int], None] | None = None):  # fmt: skip
         self.pool = pool
+        # drops a sequence's recurrent state in the runner (hybrid models), by sequence id
+        self.release_state = release_state or (lambda seq_id: None)
         self.prefix = prefix
         self.observer = observer
         self.waiting: list[Sequence] = []
@@ -105,6 +108,7 @@ class EngineState:
     def release_kv(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []
+        self.release_state(seq.seq_id)
         if seq.snapshot is not None:
             self.host_snapshot_bytes -= seq.snapshot.nbytes
             seq.snapshot = None
@@ -216,6 +220,7 @@ class EngineState:
             num_cached_prompt_tokens=c.num_cached_prompt_tokens,
             num_generated_tokens=c.num_generated_tokens,
             requests_by_outcome=dict(c.outcomes),
+            step_phase_s=dict(c.phases.seconds),
             **_prefix_fields(self.prefix),
         )
 

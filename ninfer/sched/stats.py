@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Mapping
 
 import attrs
@@ -56,12 +57,38 @@ class EngineStatistics:
     prefix_host_bytes: int = 0  # gauge: host memory those pages take
     num_lookahead_steps: int = 0  # decode steps queued before the step before them was read
     num_prefix_waits: int = 0  # requests that waited for prefix pages another request was computing
+    step_phase_s: Mapping[str, float] = attrs.field(factory=dict)  # STEP_PHASES -> host seconds, cumulative
+
+
+# The step task's phases, timed on the host with perf_counter (PhaseClock): "schedule" (reap
+# cancellations, expire the queue, prefix lookups, plan), "cache_io" (prefix-cache copies),
+# "pause_resume" (KV snapshots and restores), "forward" (waiting on the runner's step, in its
+# thread), "commit" (accepting the sampled tokens). Awaited phases include the time other tasks
+# held the event loop meanwhile.
+STEP_PHASES = ("schedule", "cache_io", "pause_resume", "forward", "commit")
+
+
+class PhaseClock:
+    """Cumulative host seconds per step phase: `start()` a step, `lap(phase)` after each part."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        self._mark = time.perf_counter()
+
+    def start(self) -> None:
+        self._mark = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._mark
+        self._mark = now
 
 
 class Counters:
     """The mutable tallies behind `EngineStatistics`."""
 
     def __init__(self):
+        self.phases = PhaseClock()
         self.num_steps = 0
         self.num_lookahead_steps = 0
         self.num_preemptions = 0

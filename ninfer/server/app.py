@@ -11,7 +11,9 @@ OpenAI shape everywhere else.
 
 Routes here: GET /health, /metrics, /v1/models, /v1/models/{id}. The generation routes are
 in `routes_openai`, `routes_anthropic` and `routes_responses`, the prefill-only routes (/v1/score,
-/v1/rerank, /v1/embeddings) in `routes_scoring`, /v1/systemone in `routes_systemone`.
+/v1/rerank, /v1/embeddings) in `routes_scoring`, /v1/systemone in `routes_systemone`, /props
+and /admin/* in `routes_admin`, the web pages (/, /chat, /dashboard; no key needed) in
+`routes_webui`.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ninfer.protocols import systemone
 from ninfer.protocols.errors import ApiError, ErrorKind
-from ninfer.server import routes_anthropic, routes_openai, routes_responses, routes_scoring, routes_systemone
+from ninfer.server import (
+    routes_admin, routes_anthropic, routes_openai, routes_responses, routes_scoring, routes_systemone, routes_webui,
+)  # fmt: skip
 from ninfer.server.http_io import error_from_exception, http_api_error, json_response
 from ninfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from ninfer.server.service import current_route
 from ninfer.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -45,10 +50,14 @@ API_ROUTES = frozenset((
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Statuses of errors raised before the route read all of the request body.
 _UNREAD_BODY_STATUSES = frozenset((401, 404, 405, 408, 413, 415))
+# Methods whose routes never read a request body (one sent anyway is read and dropped).
+_BODYLESS_METHODS = frozenset(("GET", "HEAD", "OPTIONS", "DELETE"))
 
 
-def create_app(service, settings: ServerSettings, metrics: ServerMetrics) -> QuartTrio:
-    """The app serving `service` (a GenerationService) under `settings`."""
+def create_app(service, settings: ServerSettings, metrics: ServerMetrics,
+               admin: routes_admin.AdminContext | None = None) -> QuartTrio:  # fmt: skip
+    """The app serving `service` (a GenerationService) under `settings`; `admin` adds /props
+    and the /admin routes."""
     app = QuartTrio("ninfer")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes  # also caps chunked bodies
     app.config["RESPONSE_TIMEOUT"] = None  # long answers are never cut off
@@ -61,6 +70,10 @@ def create_app(service, settings: ServerSettings, metrics: ServerMetrics) -> Qua
         routes.register(app, service)
     routes_scoring.register(app, service, settings, metrics)
     routes_systemone.register(app, service, metrics)
+    if admin is not None:
+        routes_admin.register(app, service, settings, admin)
+    if settings.webui:
+        routes_webui.register(app)
     app.asgi_app = _shield_last_send(app.asgi_app)
     return app
 
@@ -114,6 +127,7 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
     @app.before_request
     async def prepare():
         g.request_id = "req_" + secrets.token_hex(12)
+        current_route.set(request.path)
         sent = request.headers.get("x-request-id", "")
         g.client_request_id = sent if _CLIENT_REQUEST_ID.match(sent) else None
         is_options = request.method == "OPTIONS" and request.url_rule is not None
@@ -123,12 +137,17 @@ def _add_hooks(app: QuartTrio, settings: ServerSettings, metrics: ServerMetrics)
         if length is not None and length > limit:
             raise ApiError(ErrorKind.REQUEST_TOO_LARGE,
                            f"The request body is {length} bytes; the limit is {limit} bytes.")  # fmt: skip
-        if keys and request.path not in OPEN_PATHS and not _has_valid_key(keys):
+        is_open = request.path in OPEN_PATHS or (settings.webui and routes_webui.is_open_path(request.path))
+        if keys and not is_open and not _has_valid_key(keys):
             if systemone.is_systemone_path(request.path) and not _sent_key():
                 raise ApiError(ErrorKind.AUTHENTICATION, "Not authenticated: send the API key as "
                                "'Authorization: Bearer KEY' or 'x-api-key: KEY'.", code=systemone.MISSING_KEY_CODE)  # fmt: skip
             raise ApiError(ErrorKind.AUTHENTICATION, "Missing or invalid API key: send it as "
                            "'Authorization: Bearer KEY' or 'x-api-key: KEY'.")  # fmt: skip
+        if request.method in _BODYLESS_METHODS and _has_body():
+            # No route reads it: read it now. Hypercorn drops a keep-alive connection whose request
+            # body is still arriving when the response ends (the next request then finds it gone).
+            await request.get_data()
         if is_options:
             return _options_response()
         return None
@@ -239,14 +258,14 @@ def _add_basic_routes(app: QuartTrio, service, metrics: ServerMetrics) -> None:
 
     @app.get("/v1/models")
     async def list_models():
-        return json_response({"object": "list", "data": [_model_card(service)]})
+        return json_response({"object": "list", "data": [_model_card(service, name) for name in service.served_names]})
 
     @app.get("/v1/models/<path:model_id>")
     async def get_model(model_id: str):
         service.check_model(model_id)
-        return json_response(_model_card(service))
+        return json_response(_model_card(service, model_id))
 
 
-def _model_card(service) -> dict:
-    return {"id": service.model_id, "object": "model", "created": service.created_s, "owned_by": "ninfer",
+def _model_card(service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": service.created_s, "owned_by": "ninfer",
             "max_model_len": service.max_context}  # fmt: skip

@@ -42,8 +42,10 @@ class _Failure:
 
 
 async def pump_events(engine: Engine, request: GenerationRequest, send, observer: CallObserver | None, *,
+                      on_event: Callable[[object], None] | None = None,
                       task_status=trio.TASK_STATUS_IGNORED):  # fmt: skip
-    """Submit `request` and forward its events to `send` until it finishes or is cancelled.
+    """Submit `request` and forward its events to `send` until it finishes or is cancelled;
+    `on_event(event)` sees each engine event first (the dashboard's live figures).
 
     Errors raised before the request is admitted to the queue (Overloaded, RequestTooLarge,
     EngineUnhealthy) propagate out of `nursery.start`; later ones go down the channel.
@@ -56,7 +58,7 @@ async def pump_events(engine: Engine, request: GenerationRequest, send, observer
                 async with stream as events:
                     task_status.started(scope)
                     started = True
-                    outcome, finished = await _forward(events, send, gaps)
+                    outcome, finished = await _forward(events, send, gaps, on_event)
             except trio.BrokenResourceError:
                 pass  # the consumer left; leaving the engine stream above cancelled the request
             except EngineError as e:
@@ -75,12 +77,14 @@ async def pump_events(engine: Engine, request: GenerationRequest, send, observer
                     observer.call_finished(outcome, finished, gaps)
 
 
-async def _forward(events, send, gaps: list[float]) -> tuple[str, Finished | None]:
+async def _forward(events, send, gaps: list[float], on_event=None) -> tuple[str, Finished | None]:
     """Forward the engine's events; whatever is already waiting goes in one go (one task switch
     per batch, not per token), and the channel is unbounded as the engine's own is."""
     last_token_s = None
     async for first in events:
         for event in (first, *events.take_ready()):
+            if on_event is not None:
+                on_event(event)
             if isinstance(event, TokenDelta) and event.token_ids:
                 now = trio.current_time()
                 if last_token_s is not None:

@@ -275,7 +275,7 @@ class Scorer:
         prefix = rows[0].request.prompt_ids[:shared]
         request = GenerationRequest(prompt_ids=prefix, max_tokens=1, sampling=_GREEDY, seed=0, ignore_eos=True,
                                     request_id=f"{call.request_id}/prefix")  # fmt: skip
-        async with engine.submit(request) as stream:
+        async with self.service.gate.entered(), engine.submit(request) as stream:  # held while quiesced
             done = await stream.collect()
         _raise_if_cancelled(done)
 
@@ -297,7 +297,7 @@ class Scorer:
                 window.release()
 
         try:
-            async with trio.open_nursery() as nursery:
+            async with self.service.gate.entered(), trio.open_nursery() as nursery:  # held while quiesced
                 for k, request in enumerate(requests):
                     await window.acquire()
                     nursery.start_soon(run_one, k, request)

@@ -117,16 +117,21 @@ async def _run_engine(settings: ServerSettings, model, runner, switch, shutdown:
             if seconds is not None:
                 log.info("warmed up every batch shape in %.1f s (%s)", seconds, kernel_cache_summary())
         switch.stage = "starting the engine"
-        await _open_app(settings, model, runner, config, switch, shutdown, task_status)
+        backend = backend or ("cuda" if type(runner).__name__ == "CudaRunner" else "reference")
+        await _open_app(settings, model, runner, config, backend, switch, shutdown, task_status)
     finally:
         if owns_runner:
             runner.close()
 
 
-async def _open_app(settings, model, runner, config, switch, shutdown: trio.Event, task_status) -> None:
+async def _open_app(settings, model, runner, config, backend: str, switch, shutdown: trio.Event, task_status) -> None:
     from ninfer.sched.engine import open_engine
     from ninfer.server.app import create_app
+    from ninfer.server.live import LiveHistory
+    from ninfer.server.memory import MemoryMonitor
     from ninfer.server.metrics import ServerMetrics
+    from ninfer.server.quiesce import Quiescer
+    from ninfer.server.routes_admin import AdminContext
     from ninfer.server.service import ServiceDefaults, open_service
 
     engines = []
@@ -137,9 +142,18 @@ async def _open_app(settings, model, runner, config, switch, shutdown: trio.Even
         defaults = ServiceDefaults(max_tokens=settings.default_max_tokens, sampling=settings.sampling)
         async with open_service(engine, model, max_context=engine.max_context, model_id=settings.model_id,
                                 defaults=defaults, keepalive_s=settings.keepalive_s,
-                                frame_gap_s=settings.frame_gap_us * 1e-6) as service:  # fmt: skip
-            app = create_app(service, settings, metrics)
+                                frame_gap_s=settings.frame_gap_us * 1e-6,
+                                aliases=settings.served_model_names) as service:  # fmt: skip
+            memory = MemoryMonitor(runner, backend, reserve_bytes=settings.runtime.reserve_bytes,
+                                   host_cache_bytes=config.host_cache_bytes if config.prefix_cache else 0)  # fmt: skip
+            history = LiveHistory(engine.statistics, service.live,
+                                  lambda: {"held": service.gate.num_held, "memory_used": memory.used_bytes})  # fmt: skip
             async with trio.open_nursery() as nursery:
+                admin = AdminContext(backend=backend, memory=memory, history=history,
+                                     quiescer=Quiescer(service.gate, nursery))  # fmt: skip
+                app = create_app(service, settings, metrics, admin)
+                await nursery.start(memory.run)
+                nursery.start_soon(history.run)
                 await nursery.start(switch.run_app, app)
                 nursery.start_soon(_end_requests_on_shutdown, shutdown, service, settings.shutdown_grace_s)
                 task_status.started()

@@ -34,6 +34,7 @@ into the engine.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import secrets
@@ -56,6 +57,8 @@ from ninfer.server.chat_prompt import (
     build_constraint, render_chat, tool_specs, uses_tool_parser, validate_tool_choice,
 )  # fmt: skip
 from ninfer.server.event_stream import CallObserver, EventStream, pump_events
+from ninfer.server.live import LiveTracker
+from ninfer.server.quiesce import AdmissionGate
 from ninfer.server.settings import DEFAULT_FRAME_GAP_US
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,21 @@ LARGE_INPUT_THREADS = 2
 LARGE_INPUT_CHARS = 1 << 16
 # Normalizers may turn several characters into one (ligatures, stripped accents): a margin.
 _NORMALIZER_MARGIN = 4
+# A request's `model` may always name the served model this way (as llama-server accepts any).
+DEFAULT_MODEL_NAME = "default"
+
+
+class UnknownModel(ModelNotFound):
+    """A 404 whose message lists every name the server accepts."""
+
+    def __init__(self, model: str, accepted: tuple[str, ...]):
+        names = ", ".join(f"'{name}'" for name in accepted)
+        InvalidRequest.__init__(self, f"The model '{model}' does not exist; this server accepts {names}.", "model",
+                                code="model_not_found")  # fmt: skip
+
+
+# The HTTP route of the request being handled (the app sets it): the dashboard's table shows it.
+current_route: contextvars.ContextVar[str] = contextvars.ContextVar("current_route", default="")
 
 
 @attrs.frozen(kw_only=True)
@@ -87,10 +105,14 @@ class GenerationService:
 
     def __init__(self, engine: Engine, model, nursery: trio.Nursery, *, model_id: str, max_context: int,
                  defaults: ServiceDefaults, grammar, keepalive_s: float,
-                 observer: CallObserver | None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S):  # fmt: skip
+                 observer: CallObserver | None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S,
+                 aliases: tuple[str, ...] = ()):  # fmt: skip
         self.engine = engine
         self.model = model
         self.model_id = model_id
+        self.aliases = tuple(name for name in dict.fromkeys(aliases) if name != model_id)  # --served-model-name
+        self.gate = AdmissionGate()  # POST /admin/quiesce holds new requests here
+        self.live = LiveTracker()  # the dashboard's requests in flight and latencies
         self.max_context = max_context
         self.defaults = defaults
         self.grammar = grammar  # GrammarCompiler, or None when llguidance cannot load it
@@ -112,17 +134,29 @@ class GenerationService:
         return self.engine.statistics()
 
     def drain(self) -> None:
-        """Shutdown, first part: refuse new calls, answer the queued ones 503 at once."""
+        """Shutdown, first part: refuse new calls, answer the queued ones 503 at once (those
+        held by a quiesce too)."""
         self.engine.drain()
+        self.gate.open()
 
     def cancel_all(self) -> None:
         """Shutdown, last part: end every running call (its stream ends with its API's error)."""
         self.engine.cancel_all()
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists: the id, then the --served-model-name aliases."""
+        return (self.model_id, *self.aliases)
+
+    @property
+    def accepted_names(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*self.served_names, self.model.name, DEFAULT_MODEL_NAME)))
+
     def check_model(self, name: str | None) -> None:
-        """Raise ModelNotFound unless `name` is this server's model (its id or file name)."""
-        if name is not None and name not in (self.model_id, self.model.name):
-            raise ModelNotFound(name, self.model_id)
+        """Raise ModelNotFound (its message lists the accepted names) unless `name` is this
+        server's model: its id, an alias, the model's own name or `default`."""
+        if name is not None and name not in self.accepted_names:
+            raise UnknownModel(name, self.accepted_names)
 
     # Templating, tokenizing and detokenizing run in worker threads (`_off_loop`): a prompt of
     # megabytes takes seconds, and on the event loop it would stall every stream and /health.
@@ -277,12 +311,22 @@ class GenerationService:
 
     async def _start(self, request: GenerationRequest, *, parse_tools: bool) -> EventStream:
         send, receive = trio.open_memory_channel(math.inf)  # bounded by max_tokens, as the engine's
-        scope = await self._nursery.start(pump_events, self.engine, request, send, self.observer)
+        route = current_route.get()
+        scope = await self._nursery.start(self._pump_gated, request, send, route)
         return EventStream(
             receive, scope, request_id=request.request_id, keepalive_s=self.keepalive_s,
             parse_tools=parse_tools, new_call_id=new_call_id, describe_token=self._describe_token,
             frame_gap=self._frame_gap,
         )  # fmt: skip
+
+    async def _pump_gated(self, request: GenerationRequest, send, route: str, *, task_status) -> None:
+        """The request's pump, inside the admission gate (held while the engine is quiesced)."""
+        async with self.gate.entered():
+            on_event = self.live.begin(request.request_id, route, len(request.prompt_ids))
+            try:
+                await pump_events(self.engine, request, send, self.observer, on_event=on_event, task_status=task_status)
+            finally:
+                on_event(None)
 
     def _frame_gap(self) -> float:
         """Seconds a stream holds its next text frame after one went out: none for a few
@@ -352,7 +396,7 @@ async def collect(stream: EventStream) -> CallResult:
 async def open_service(
     engine: Engine, model, *, max_context: int, model_id: str | None = None,
     defaults: ServiceDefaults = ServiceDefaults(), keepalive_s: float = 10.0,
-    observer: CallObserver | None = None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S,
+    observer: CallObserver | None = None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S, aliases: tuple[str, ...] = (),
 ) -> AsyncIterator[GenerationService]:  # fmt: skip
     """A service over an open engine; owns the tasks that pump each request's events."""
     grammar = await trio.to_thread.run_sync(_load_grammar, model)
@@ -360,6 +404,7 @@ async def open_service(
         service = GenerationService(
             engine, model, nursery, model_id=model_id or model.name, max_context=max_context,
             defaults=defaults, grammar=grammar, keepalive_s=keepalive_s, observer=observer, frame_gap_s=frame_gap_s,
+            aliases=aliases,
         )  # fmt: skip
         try:
             yield service

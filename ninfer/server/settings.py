@@ -64,6 +64,12 @@ def _rerank_weights_valid(instance, attribute, weights) -> None:
             raise SettingsError(f"--rerank-weight-{name} must be a number between 0 and 1, got {w!r}")
 
 
+def _names_valid(instance, attribute, names) -> None:
+    for name in names:
+        if not isinstance(name, str) or not name.strip() or any(c.isspace() or not c.isprintable() for c in name):
+            raise SettingsError(f"--served-model-name takes non-empty names without spaces, got {name!r}")
+
+
 def _keys_valid(instance, attribute, keys) -> None:
     for key in keys:
         if not key or any(c.isspace() for c in key):
@@ -87,6 +93,9 @@ class ServerSettings:
     model_id: str | None = attrs.field(
         default=None, validator=_require(lambda v: v is None or bool(v.strip()), "--model-id must not be empty")
     )  # public name; None = the model's own name
+    served_model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_names_valid)
+    # ^ --served-model-name: more names requests may send; /v1/models lists them after the id
+    webui: bool = True  # the dashboard (/dashboard) and the chat page (/chat, /); --no-webui turns them off
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False, validator=_keys_valid)  # empty: no authentication
     max_request_mib: float = attrs.field(
         default=8.0, validator=_require(_finite_positive, "--max-request-mib must be a finite positive number, got {value}")
