@@ -256,6 +256,22 @@ def test_live_follows_a_request_in_flight_without_its_text(server, http):
     assert len(history) >= 2 and any(sample["gen_tps"] > 0 for sample in history)
 
 
+def test_live_shows_a_scoring_calls_rows_while_they_run(server, http):
+    wait_idle(http)
+    documents = [f"Note {i}: " + "a long list of unrelated words " * 12 for i in range(8)]
+    done: dict = {}
+    caller = threading.Thread(target=lambda: done.update(r=server.http(headers=AUTH).post(
+        "/v1/rerank", json={"query": "Which note mentions words?", "documents": documents})), daemon=True)  # fmt: skip
+    caller.start()
+    row = wait_for(lambda: next((r for r in http.get("/admin/live").json()["in_flight"] if r["route"] == "/v1/rerank"), None),
+                   what="a rerank row in /admin/live")  # fmt: skip
+    assert row["phase"] == "prefill" and row["tokens_in"] > 20 and row["tokens_out"] == 0
+    assert "unrelated words" not in str(http.get("/admin/live").json())
+    caller.join(timeout=120)
+    assert done["r"].status_code == 200
+    wait_for(lambda: http.get("/admin/live").json()["in_flight"] == [], what="the table to empty")
+
+
 # ---- /admin/quiesce ------------------------------------------------------------------------
 
 

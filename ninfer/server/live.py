@@ -2,7 +2,7 @@
 a few minutes of once-a-second history.
 
 `LiveTracker` follows every generation request the service submits, from its events (never
-its text): route, age, tokens in and out, phase, and the time to its first token and between
+its text), and each row of a scoring call while it runs: route, age, tokens in and out, phase, and the time to its first token and between
 its tokens as the server saw them. `LiveHistory` samples the engine's statistics once a second
 into a ring, turning counters into rates (tokens per second generated and prefilled).
 """
@@ -10,9 +10,10 @@ into a ring, turning counters into rates (tokens per second generated and prefil
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 import trio
@@ -61,6 +62,16 @@ class LiveTracker:
                 self._requests.pop(key, None)
 
         return on_event
+
+    @contextlib.contextmanager
+    def prefill_only(self, request_id: str, route: str, num_prompt_tokens: int) -> Iterator[None]:
+        """Show a scoring row (prefill only, no tokens streamed) while the block runs."""
+        key = next(self._ids)
+        self._requests[key] = InFlight(request_id, route, trio.current_time(), num_prompt_tokens, phase="prefill")
+        try:
+            yield
+        finally:
+            self._requests.pop(key, None)
 
     def _on_tokens(self, row: InFlight, num_tokens: int) -> None:
         now = trio.current_time()

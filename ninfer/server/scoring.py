@@ -51,6 +51,7 @@ from ninfer.sched.forced import ForcedTokens
 from ninfer.sched.request import EngineError, EngineUnhealthy, FinishReason, GenerationRequest, ShuttingDown
 from ninfer.sched.stream import Completion
 from ninfer.server.http_io import error_from_exception
+from ninfer.server.service import current_route
 
 log = logging.getLogger(__name__)
 
@@ -284,10 +285,13 @@ class Scorer:
         out: list[Completion | QuestionError | None] = [None] * len(requests)
         window = trio.Semaphore(max(1, self.engine.config.max_concurrency))
 
+        route, live = current_route.get(), self.service.live
+
         async def run_one(k: int, request: GenerationRequest) -> None:
             try:
-                async with self.engine.submit(request) as stream:
-                    out[k] = await stream.collect()
+                with live.prefill_only(request.request_id, route, len(request.prompt_ids)):  # the dashboard's table
+                    async with self.engine.submit(request) as stream:
+                        out[k] = await stream.collect()
             except (EngineUnhealthy, ShuttingDown):
                 raise  # nothing more can be answered: the call fails (503)
             except EngineError as e:
