@@ -29,6 +29,7 @@ run `ninfer COMMAND --help` for each command's options."""
 COMMAND_MODULES = (
     "ninfer.cli.serve", "ninfer.cli.generate", "ninfer.cli.chat", "ninfer.cli.models",
     "ninfer.cli.bench", "ninfer.cli.simulate", "ninfer.cli.score", "ninfer.cli.export_hidden",
+    "ninfer.cli.cluster",
 )  # fmt: skip
 
 
