@@ -19,7 +19,8 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 from server_fixtures import metric_values  # noqa: E402
 
-from ninfer.cluster.routing import rank_replicas, route_key  # noqa: E402
+from ninfer.cluster.prompt_keys import PromptKeyer  # noqa: E402
+from ninfer.cluster.routing import rank_replicas  # noqa: E402
 
 LANES = 2  # each engine's --max-concurrency, and the spill threshold
 
@@ -129,14 +130,16 @@ def test_overload_on_one_replica_spills_to_the_other(cluster, client):
     assert after[key] > before[key]
 
 
-def test_killing_an_engine_fails_its_stream_alone_and_the_replica_comes_back(cluster, client):
+def test_killing_an_engine_fails_its_stream_alone_and_the_replica_comes_back(cluster, client, smollm2_path):
     ids = sorted(r["replica"] for r in replicas(cluster))
     pids = {r["replica"]: r["engine_pid"] for r in replicas(cluster)}
-    # Two conversations the router sends to different replicas (the same pure function it runs).
+    # Two conversations the router sends to different replicas (the keys and ranking it computes).
+    keyer = PromptKeyer.load(str(smollm2_path), "reference")
     conversations = [[{"role": "user", "content": f"Describe city number {i} in detail."}] for i in range(40)]
     owner = {}
     for messages in conversations:
-        owner.setdefault(rank_replicas(route_key({"messages": messages}), ids)[0], messages)
+        key = keyer.route_key("/v1/chat/completions", {"model": "default", "messages": messages})
+        owner.setdefault(rank_replicas(key, ids)[0], messages)
     victim_messages, survivor_messages = owner[ids[0]], owner[ids[1]]
 
     def open_stream(messages):

@@ -41,6 +41,13 @@ from ninfer.cache.tiers import Tiers
 from ninfer.core.runner import PageSnapshot, Runner
 
 
+def model_salt(spec, runner_name: str, prefix_salt: str = "") -> str:
+    """The prefix cache's salt for a model: KV depends only on the model and the tokens, so the
+    spec (its shapes), the runner class that computes it and the operator's `prefix_salt`
+    (a revision, say). A router that keys requests as the cache does uses the same."""
+    return f"{spec!r}|{runner_name}|{prefix_salt}"
+
+
 @attrs.frozen(kw_only=True)
 class PrefixCacheStatistics:
     """Counters (only grow) and gauges of one prefix cache."""

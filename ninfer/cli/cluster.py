@@ -8,17 +8,19 @@ import shlex
 import sys
 
 from ninfer.cli.common import positive_int, positive_int_list
+from ninfer.cluster.routing import DEFAULT_ROUTE_PAGES
 
 INSTALL_HINT = ("ninfer cluster needs Ray Serve, an optional extra: pip install 'ninfer[cluster]' "
                 "(or: pip install 'ray[serve]==2.60.0')")  # fmt: skip
 
 DESCRIPTION = """\
 Run N ninfer engines as Ray Serve replicas behind one HTTP address, with the same OpenAI /
-Anthropic / scoring routes as `ninfer serve`. Requests are routed by prefix: every turn of a
-conversation (same system prompt and first user message, same cache_salt) goes to the replica
-whose prefix cache holds it, unless that replica has --spill-threshold requests or more, when
-the least-loaded replica takes it. KV caches are per replica. A replica whose engine dies is
-restarted by Serve. GET /metrics shows every replica's metrics (label replica) and the
+Anthropic / scoring routes as `ninfer serve`. Requests are routed by prefix: the ingress renders
+each prompt with the model's chat template and tokenizer and hashes its first --route-pages KV
+pages into the prefix cache's own key (with the request's cache_salt), so every turn of a
+conversation goes to the replica whose prefix cache holds it, unless that replica has
+--spill-threshold requests or more, when the least-loaded replica takes it. KV caches are per
+replica. A replica whose engine dies is restarted by Serve. GET /metrics shows every replica's metrics (label replica) and the
 router's counters; GET /cluster/replicas lists the replicas."""
 
 EPILOG = """\
@@ -64,6 +66,9 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--spill-threshold", type=_threshold, default=8, metavar="N|none",
                         help="a conversation's replica with N requests (running + queued) or more is passed over "
                              "for the least-loaded one; none: never (8)")  # fmt: skip
+    parser.add_argument("--route-pages", type=positive_int, default=DEFAULT_ROUTE_PAGES, metavar="N",
+                        help="route on the prefix cache's key of the first N KV pages of a conversation's first "
+                             f"turn (--page-size tokens each, from --serve-flags; {DEFAULT_ROUTE_PAGES})")  # fmt: skip
     parser.add_argument("--max-ongoing-requests", type=positive_int, default=72,
                         help="requests Serve sends one replica at once (72: serve's 8 lanes + 64 queued)")  # fmt: skip
     parser.add_argument("--serve-flags", default="", metavar="FLAGS",
@@ -98,11 +103,19 @@ def cluster_options(args: argparse.Namespace):
     owned = {"--host", "--port", "--backend"} & {f.split("=", 1)[0] for f in flags}
     if owned:
         raise CliError(f"--serve-flags may not set {', '.join(sorted(owned))}: each replica picks its own")
+    from ninfer.cluster.prompt_keys import serve_page_size
+
+    try:  # the ingress keys prompts by the replicas' KV pages
+        if serve_page_size(flags) < 1:
+            raise ValueError
+    except ValueError:
+        raise CliError("--serve-flags: --page-size needs a positive number of tokens") from None
     return ClusterOptions(
         model=args.model, serve_flags=flags, backend=args.backend, num_replicas=args.replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
         target_ongoing_requests=args.target_ongoing_requests, num_cpus_per_replica=args.cpus_per_replica,
         max_ongoing_requests=args.max_ongoing_requests, spill_threshold=args.spill_threshold,
+        route_pages=args.route_pages,
     )  # fmt: skip
 
 

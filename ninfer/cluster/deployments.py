@@ -10,7 +10,8 @@ engine process is gone or `/health` is not 200, and Serve replaces the replica. 
 engine dies ends with an error event in its API's shape (OpenAI `data: {"error": ...}`,
 Anthropic `event: error`); a request that finds no engine gets a 503 in its shape.
 
-`Ingress` computes each request's route key (`routing.route_key`) and calls the replicas'
+`Ingress` computes each request's route key (`prompt_keys.PromptKeyer`: the prompt rendered
+and tokenized as a replica would, hashed into the prefix cache's page key) and calls the replicas'
 handle, whose `PrefixAwareRouter` picks the replica. It serves three routes of its own:
 `/metrics` (every replica's metrics labelled `replica="..."`, plus the router's counters),
 `/cluster/replicas` (id, engine pid and health of each replica) and everything else is relayed.
@@ -28,7 +29,8 @@ from ray import serve
 
 from ninfer.cluster.engine import EngineProcess
 from ninfer.cluster.metrics_text import merge_expositions
-from ninfer.cluster.routing import route_key
+from ninfer.cluster.prompt_keys import PromptKeyer, serve_page_size
+from ninfer.cluster.routing import DEFAULT_ROUTE_PAGES
 from ninfer.protocols.errors import ApiError, ErrorKind
 from ninfer.protocols.sse import sse_event
 
@@ -56,6 +58,7 @@ class ClusterOptions:
     num_cpus_per_replica: float = 1.0
     max_ongoing_requests: int = 72  # ninfer serve's lanes (8) + pending queue (64)
     spill_threshold: int | None = 8
+    route_pages: int = DEFAULT_ROUTE_PAGES  # a route key reaches this many KV pages at most
     health_check_period_s: float = 2.0
     start_timeout_s: float = 600.0
 
@@ -153,6 +156,9 @@ class Ingress:
     def __init__(self, replicas, options: ClusterOptions):
         self.replicas = replicas
         self.options = options
+        # The replicas' tokenizer and chat template (GGUF: metadata only), read once.
+        self.keyer = PromptKeyer.load(options.model, options.backend, page_size=serve_page_size(options.serve_flags),
+                                      route_pages=options.route_pages)  # fmt: skip
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, PlainTextResponse
@@ -171,7 +177,9 @@ class Ingress:
         path = request.url.path
         target = path + (f"?{request.url.query}" if request.url.query else "")
         body = await request.body()
-        key = route_key(body) if request.method == "POST" else None
+        key = None
+        if request.method == "POST" and body:  # templating and tokenizing: off the event loop
+            key = await asyncio.to_thread(self.keyer.route_key, path, body)
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
         stream = self.replicas.options(stream=True).forward.remote(request.method, target, headers, body,
                                                                    route_key=key)  # fmt: skip

@@ -1,36 +1,36 @@
 """The prefix-aware routing policy, as plain functions over plain state (no Ray, no IO).
 
-A request's *route key* names the start of its conversation: the system prompt and every
-message up to and including the first user message (or a completion's prompt, a Responses
-call's instructions and input, a rerank query), as canonical JSON cut at `max_key_chars`,
-hashed with the request's `cache_salt` the way the prefix cache salts its page keys
-(`ninfer.cache.prefix_index.salt_bytes`), so tenants hash apart. Every follow-up turn of a
-conversation repeats that start, so it gets the same key and lands where its KV prefix is
-cached. Hashing characters instead of the prefix cache's token pages keeps the ingress free of
-tokenizers and templates; the price is that two conversations whose first turns differ only
-after `max_key_chars` share a replica (harmless: they share most of their prefix too).
+A request's *route key* is one of the prefix cache's own page keys
+(`ninfer.cache.prefix_index`): the chained hash of the request's prompt token ids, page by page,
+from the root key of its salt (`salt_bytes(model salt, cache_salt)`, so tenants hash apart), taken
+at page `depth`, where `depth` is the number of full pages of the conversation's first turn,
+capped at `route_pages` (`page_route_key`). Every later turn of a conversation repeats that first
+turn, so it has the same key, and it is the key under which the replica that served the earlier
+turns caches that prefix. Rendering a request to its token ids (chat template, tokenizer) is
+`ninfer.cluster.prompt_keys`; this module only hashes them.
 
 Keys map to replicas by rendezvous (highest-random-weight) hashing: a replica that joins or
 leaves moves only the keys it wins or held, and every router process agrees without shared
 state. The preferred replica is skipped for the least-loaded one when its load (requests
 running and queued there) is at `spill_threshold` or more: routed by *fallback*. Requests with
-no key (`GET /v1/models`, say) go to the least-loaded replica: routed by *load*.
+no key (`GET /v1/models`, a prompt shorter than one page) go to the least-loaded replica: routed
+by *load*.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
+import numpy as np
 
-from ninfer.cache.prefix_index import salt_bytes
+from ninfer.cache.prefix_index import PrefixIndex, salt_bytes
 
-DEFAULT_MAX_KEY_CHARS = 4096
-_CLUSTER_SALT = b"ninfer-cluster"
+DEFAULT_PAGE_SIZE = 16  # `ninfer serve --page-size`'s default
+DEFAULT_ROUTE_PAGES = 4  # 64 tokens at the default page size: a typical system prompt's start
+_SIM_SALT = b"ninfer-cluster"  # as before keys were page keys: the simulation's tables stand
 
 
 class RouteReason(enum.Enum):
@@ -59,59 +59,47 @@ class RoutingPolicy:
     is passed over for the least-loaded one; None never spills (pure affinity)."""
 
     spill_threshold: int | None = attrs.field(default=8, validator=_validate_threshold)
-    max_key_chars: int = attrs.field(default=DEFAULT_MAX_KEY_CHARS, validator=attrs.validators.ge(1))
 
 
 # ---- route keys ------------------------------------------------------------------------------
 
 
-def route_key(body: bytes | str | Mapping[str, Any], *, max_key_chars: int = DEFAULT_MAX_KEY_CHARS) -> bytes | None:
-    """The route key of a request body (JSON bytes or a parsed object); None when it names no
-    conversation (no body, not JSON, or none of the fields a prefix starts with)."""
-    if isinstance(body, (bytes, str)):
-        if not body:
-            return None
-        try:
-            body = json.loads(body)
-        except ValueError:
-            return None
-    if not isinstance(body, Mapping):
+@attrs.frozen(kw_only=True)
+class PageKeying:
+    """How route keys cut prompts: the replicas' KV page size and the pages a key reaches."""
+
+    page_size: int = attrs.field(default=DEFAULT_PAGE_SIZE, validator=attrs.validators.ge(1))
+    route_pages: int = attrs.field(default=DEFAULT_ROUTE_PAGES, validator=attrs.validators.ge(1))
+
+
+def route_depth(num_anchor_tokens: int, num_prompt_tokens: int, keying: PageKeying) -> int:
+    """The page a key is taken at: the full pages of the conversation's first turn (its anchor),
+    at most `route_pages`, and never past the prompt's own full pages (0: no key)."""
+    size = keying.page_size
+    return min(keying.route_pages, num_anchor_tokens // size, num_prompt_tokens // size)
+
+
+def page_route_key(token_ids: Sequence[int] | np.ndarray, model_salt: bytes, cache_salt: str | None, *,
+                   depth: int, page_size: int = DEFAULT_PAGE_SIZE) -> bytes | None:  # fmt: skip
+    """The prefix cache's key of page `depth` (1-based) of `token_ids` under the salt
+    (`model_salt`, `cache_salt`), exactly as `PrefixCache` keys that page; None for depth 0 or a
+    prompt with fewer full pages."""
+    if depth < 1 or len(token_ids) < depth * page_size:
         return None
-    anchor = conversation_anchor(body)
-    if anchor is None:
-        return None
-    text = json.dumps(anchor, ensure_ascii=False, sort_keys=True, separators=(",", ":"))[:max_key_chars]
-    salt = body.get("cache_salt")
-    salt = salt if isinstance(salt, str) else None
-    return key_of(text, salt)
+    index = PrefixIndex(page_size)
+    root = index.root_key(salt_bytes(model_salt, cache_salt))
+    ids = np.asarray(token_ids[: depth * page_size], dtype=np.int64)
+    key = root
+    for key in index.keys_after(root, ids, 0):
+        pass
+    return key
 
 
 def key_of(text: str, cache_salt: str | None = None) -> bytes:
-    """A key from an anchor's text and a tenant's cache_salt (the simulation keys conversations so)."""
-    data = salt_bytes(_CLUSTER_SALT, cache_salt) + text.encode()
+    """A synthetic key from a name and a tenant's cache_salt: the simulation keys its
+    conversations so (it has no token ids); the policy treats it as any other key."""
+    data = salt_bytes(_SIM_SALT, cache_salt) + text.encode()
     return hashlib.blake2b(data, digest_size=16, person=b"ninfer-route").digest()
-
-
-def conversation_anchor(body: Mapping[str, Any]) -> list | None:
-    """The part of a request that every later turn of its conversation repeats."""
-    if isinstance(body.get("messages"), list):
-        return ["messages", body.get("system"), _through_first_user(body["messages"])]
-    if "prompt" in body:
-        return ["prompt", body["prompt"]]
-    if "input" in body:
-        items = body["input"]
-        items = _through_first_user(items) if isinstance(items, list) else items
-        return ["input", body.get("instructions"), items]
-    if "query" in body:
-        return ["query", body["query"]]
-    return None
-
-
-def _through_first_user(items: list) -> list:
-    for i, item in enumerate(items):
-        if isinstance(item, Mapping) and item.get("role") == "user":
-            return items[: i + 1]
-    return items
 
 
 # ---- choosing a replica ----------------------------------------------------------------------

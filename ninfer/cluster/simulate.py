@@ -3,8 +3,9 @@
 Compares routing policies on the figures that matter for a prefix cache spread over replicas:
 prefix hit rate (prompt tokens served from a replica's cache), TTFT p50 / p99 and load
 imbalance (the busiest replica's busy time over the mean). The prefix-aware policy is the one
-`ninfer cluster` runs (`ninfer.cluster.routing.choose`), keyed the same way (tenant salt and
-the conversation's first turn).
+`ninfer cluster` runs (`ninfer.cluster.routing.choose`), on synthetic keys (`routing.key_of`: one
+per conversation, salted by tenant) standing in for the page keys of the conversation's first turn,
+which the trace has no token ids for.
 
 The model, one discrete-event queue per replica:
 - each replica runs `lanes` requests at once; a request waits in its replica's FIFO for a lane;

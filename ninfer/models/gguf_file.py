@@ -66,6 +66,17 @@ def load_gguf(path: str | Path, *, progress: bool = False) -> LoadedModel:
     )
 
 
+def read_gguf_header(path: str | Path) -> tuple[ModelSpec, Tokenizer, ChatTemplate | None]:
+    """A GGUF file's spec, tokenizer and chat template from its metadata alone (no tensor data
+    is read): what a router needs to render prompts as the engine will."""
+    path = Path(path).expanduser()
+    reader = _open(path)
+    meta = _Metadata(reader, path)
+    tokenizer = _read_tokenizer(meta)
+    spec = _read_spec(meta, reader).for_tokenizer(tokenizer.vocab_size)
+    return spec, tokenizer, _read_chat_template(meta, tokenizer)
+
+
 def _open(path: Path):
     from gguf import GGUFReader
 

@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from ninfer.cache.pages import PagePool, pages_for_tokens
-from ninfer.cache.prefix import PrefixCache
+from ninfer.cache.prefix import PrefixCache, model_salt
 from ninfer.core.runner import Runner
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.lane import run_lane
@@ -87,9 +87,7 @@ def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHoo
         page_size=runner.page_size,
         page_nbytes=runner.page_nbytes,
         host_budget_bytes=config.host_cache_bytes,
-        # KV depends only on the model and the tokens: the spec names the model's shapes,
-        # prefix_salt whatever else the operator wants to separate (a revision, say).
-        salt=f"{runner.spec!r}|{type(runner).__name__}|{config.prefix_salt}",
+        salt=model_salt(runner.spec, type(runner).__name__, config.prefix_salt),
         # Restores and tail copies leave pages of growth to running requests (one per lane,
         # at most an eighth of the pool).
         num_reserved_pages=min(config.max_concurrency, runner.num_pages // 8),
