@@ -1,4 +1,4 @@
-"""The layers point one way (README, "Layout"), and only ninfer/gpu/cuda/ imports numba.
+"""The layers point one way (README, "Layout"), and the layers above the backends never load numba.
 
 Every import counts, at any depth: lazy imports inside functions and `TYPE_CHECKING` blocks
 included, since each is a dependency all the same.
@@ -26,10 +26,14 @@ LAYERS: dict[str, frozenset[str]] = {
     "cache": frozenset({"core"}),
     "sched": frozenset({"core", "cache", "models"}),
     "gpu": frozenset({"core", "models"}),
+    "cpu": frozenset({"core", "models", "gpu"}),  # numba kernels under the reference runner's forward
     "protocols": frozenset({"core"}),
     "grammar": frozenset({"core", "protocols"}),
-    "runtime": frozenset({"core", "models", "sched", "gpu"}),  # picks a backend, opens an engine
+    "runtime": frozenset({"core", "models", "sched", "gpu", "cpu"}),  # picks a backend, opens an engine
     "server": frozenset({"core", "models", "sched", "protocols", "grammar", "runtime"}),
+    # replicas on Ray Serve, each a `ninfer serve` process; the ingress renders prompts with the
+    # server's own code (models: tokenizer / template, server: render_chat) to key them as the cache does
+    "cluster": frozenset({"cache", "protocols", "models", "server"}),
 }
 LAYERS["cli"] = frozenset(LAYERS)  # the commands: anything below
 

@@ -122,6 +122,12 @@ def _runner(model, args):
                             max_tokens_per_step=max(max(args.prompt_lens), args.decode_prompt * max_streams),
                             max_context=max_context, activations=args.activations, use_graphs=not args.no_graphs,
                             progress=True)  # fmt: skip
+    elif backend == "cpu":
+        from ninfer.cpu.runner import CpuRunner
+        from ninfer.gpu.blas import limit_blas_threads
+
+        limit_blas_threads()
+        runner = CpuRunner(model, num_pages=num_pages, page_size=args.page_size)
     else:
         from ninfer.gpu.blas import limit_blas_threads
         from ninfer.gpu.reference import ReferenceRunner

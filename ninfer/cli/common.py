@@ -90,7 +90,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = 
     backend, page_size = default_of(RuntimeOptions, "backend"), default_of(EngineConfig, "page_size")
     group = parser.add_argument_group("runtime")
     group.add_argument("--backend", choices=BACKENDS, default=backend,
-                       help=f"compute backend; auto picks CUDA when a GPU is present (default: {backend})")
+                       help="compute backend; auto picks CUDA when a GPU is present, else reference; cpu runs "
+                       f"numba kernels over the stored (quantized) weights (default: {backend})")
     group.add_argument("--kv-capacity", type=_kv, default="auto", metavar="TOKENS",
                        help="KV cache size in tokens, or 'auto' to fit free memory (default: auto)")
     group.add_argument("--max-context", type=context_tokens, default=None, metavar="TOKENS",

@@ -1,0 +1,48 @@
+"""Causal GQA attention over the paged KV pool, one (query token, head) pair per task.
+
+`paged_attention` serves both of the reference runner's cases: a prefill row's queries (all
+sharing one page table, each seeing the positions up to its own) and a batch of decode rows
+(one table each). Query head h reads KV head h // group; position p of a table lives in page
+table[p // page_size], slot p % page_size. Scores are scaled by `scale`, softmaxed in float32
+(max-subtracted), and weight the values; the reference runner's numpy `_attend` /
+`_attend_singles` are its twins (the tests compare the runners).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+_LOWEST = np.float32(-3.0e38)  # fastmath assumes no infinities: start the running max here
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out):
+    """out[i, h] = softmax(q[i, h] . K / scale-free) V over positions 0 .. lengths[i] - 1 of
+    page table tables[table_of[i]]; k_pool / v_pool [pages, page_size, kv heads, head_dim],
+    q / out [N, heads, head_dim]."""
+    num_queries, num_heads, head_dim = q.shape
+    page_size = k_pool.shape[1]
+    for task in prange(num_queries * num_heads):
+        i, h = task // num_heads, task % num_heads
+        kv, n, table = h // group, lengths[i], tables[table_of[i]]
+        scores = np.empty(n, np.float32)
+        best = _LOWEST
+        for p in range(n):
+            key = k_pool[table[p // page_size], p % page_size, kv]
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += q[i, h, d] * key[d]
+            scores[p] = s * scale
+            best = max(best, scores[p])
+        total = np.float32(0.0)
+        for p in range(n):
+            scores[p] = np.exp(scores[p] - best)
+            total += scores[p]
+        acc = np.zeros(head_dim, np.float32)
+        for p in range(n):
+            value = v_pool[table[p // page_size], p % page_size, kv]
+            for d in range(head_dim):
+                acc[d] += scores[p] * value[d]
+        for d in range(head_dim):
+            out[i, h, d] = acc[d] / total

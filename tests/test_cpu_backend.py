@@ -1,0 +1,258 @@
+"""The cpu backend (`ninfer.cpu`): numba kernels over stored GGUF blocks, under the reference
+runner's forward.
+
+Each kernel against its numpy twin for every supported type, at several shapes and thread
+counts; the runner against the reference backend on the real SmolLM2 GGUF (logits within the
+q8-activation tolerance, greedy tokens); the scheduler's invariants (pause / resume, lookahead)
+on a quantized tiny model; the runtime's backend choice.
+"""
+
+from __future__ import annotations
+
+import gguf.quants
+import numpy as np
+import pytest
+import test_sched_reference as sched_tests
+from gguf import GGMLQuantizationType
+from heldout import HELDOUT_TEXT
+from tiny_models import tiny_llama
+
+from ninfer.cpu.blocks import BLOCK_BYTES, F16_TABLE, QTYPES
+from ninfer.cpu.gemm import gemm_half, gemm_q8, quantize_rows, quantize_rows_ref
+from ninfer.cpu.matrix import QuantMatrix
+from ninfer.cpu.runner import CpuRunner
+from ninfer.gpu import quality
+from ninfer.gpu.reference import ReferenceRunner
+from ninfer.models.weights import ModelWeights, StoredTensor
+
+K_QUANTS = ("Q4_K", "Q6_K")  # gguf has no quantizer for them: blocks are written by hand
+
+
+def stored(qtype: str, rows: int, cols: int, seed: int = 0) -> StoredTensor:
+    """A random [rows, cols] weight in `qtype`: gguf's quantizer, or (K-quants, which gguf
+    cannot quantize) random bytes with sane fp16 scales written into each super-block."""
+    rng = np.random.default_rng(seed)
+    if qtype not in K_QUANTS:
+        weights = rng.standard_normal((rows, cols)).astype(np.float32)
+        return StoredTensor(qtype, (rows, cols), gguf.quants.quantize(weights, GGMLQuantizationType[qtype]))
+    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[qtype]), dtype=np.uint8)
+
+    def scales():
+        values = (rng.random(blocks.shape[:2]) * 0.01 + 1e-3).astype(np.float16)
+        return values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+
+    if qtype == "Q4_K":  # d, dmin lead the super-block
+        blocks[..., 0:2], blocks[..., 2:4] = scales(), scales()
+    else:  # Q6_K: d closes it
+        blocks[..., 208:210] = scales()
+    return StoredTensor(qtype, (rows, cols), blocks.reshape(rows, -1))
+
+
+def q8_product(tensor: StoredTensor, x: np.ndarray, num_threads: int) -> np.ndarray:
+    xq, xd, xs = quantize_rows_ref(x)
+    out = np.full((x.shape[0], tensor.shape[0] + 3), np.nan, np.float32)
+    gemm_q8(xq, xd, xs, tensor.data, QTYPES[tensor.qtype], F16_TABLE, out, 3, num_threads)
+    assert np.isnan(out[:, :3]).all(), "the kernel wrote outside its columns"
+    return out[:, 3:]
+
+
+# -- kernels --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_quantize_rows_matches_numpy(num_tokens):
+    x = np.random.default_rng(num_tokens).standard_normal((num_tokens, 96)).astype(np.float32) * 3
+    x[0, :32] = 0.0  # an all-zero block quantizes to zeros with scale 0
+    xq, xd, xs = (np.empty((num_tokens, 96), np.int16), *(np.empty((num_tokens, 3), np.float32) for _ in "ds"))
+    quantize_rows(x, xq, xd, xs)
+    want_q, want_d, want_s = quantize_rows_ref(x)
+    np.testing.assert_array_equal(xq, want_q)
+    np.testing.assert_allclose(xd, want_d, rtol=1e-6)
+    np.testing.assert_allclose(xs, want_s, rtol=1e-5, atol=1e-6)
+    assert np.abs(xq).max() <= 127 and (xd[0, 0], xs[0, 0]) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("qtype", list(QTYPES))
+@pytest.mark.parametrize(
+    ("rows", "cols", "num_tokens", "num_threads"), [(5, 256, 1, 1), (33, 512, 3, 2), (64, 768, 9, 2)]
+)
+def test_q8_product_is_exactly_the_dequantized_product(qtype, rows, cols, num_tokens, num_threads):
+    """The kernel computes dequantize(q8(x)) @ dequantize(W).T (float64 twin) to float32
+    rounding, and stays within the q8 tolerance of the float product."""
+    tensor = stored(qtype, rows, cols, seed=rows)
+    x = np.random.default_rng(cols).standard_normal((num_tokens, cols)).astype(np.float32)
+    got = q8_product(tensor, x, num_threads)
+    weights = tensor.dequantize().astype(np.float64)
+    xq, xd, _ = quantize_rows_ref(x)
+    x_hat = (xq.reshape(num_tokens, -1, 32) * xd[..., None].astype(np.float64)).reshape(num_tokens, cols)
+    exact = x_hat @ weights.T
+    scale = np.abs(exact).max()
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * scale)
+    assert np.abs(got - x @ weights.T).max() < 0.03 * scale
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+def test_a_batched_row_gets_what_it_gets_alone(qtype):
+    """Alone (the fused path) or in a batch (decoded once): the same integer block dots, the
+    same result to float32 rounding of the sum over blocks."""
+    tensor = stored(qtype, 40, 512)
+    x = np.random.default_rng(1).standard_normal((6, 512)).astype(np.float32)
+    together = q8_product(tensor, x, 2)
+    for t in range(6):
+        alone = q8_product(tensor, x[t : t + 1], 1)[0]
+        np.testing.assert_allclose(alone, together[t], rtol=0, atol=1e-5 * np.abs(together).max())
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+@pytest.mark.parametrize(("rows", "cols", "num_tokens"), [(3, 8, 1), (21, 40, 4)])
+def test_half_product_matches_numpy(qtype, rows, cols, num_tokens):
+    rng = np.random.default_rng(rows)
+    weights = rng.standard_normal((rows, cols)).astype(np.float32)
+    if qtype == "F16":
+        bits = weights.astype(np.float16).view(np.uint16)
+    else:  # bf16: the high half of each float32
+        bits = (weights.view(np.uint32) >> 16).astype(np.uint16)
+    x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
+    out = np.zeros((num_tokens, rows), np.float32)
+    gemm_half(x, bits, qtype == "BF16", F16_TABLE, out, 0, 2)
+    want = x @ StoredTensor(qtype, (rows, cols), bits if qtype == "BF16" else bits.view(np.float16)).dequantize().T
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_stacked_matrix_of_mixed_types_multiplies_and_looks_up_rows():
+    """q / k / v of different stored types (as in Q4_K_M files), an F32 part and an F16 part:
+    `x @ m.T` and `m[rows]` agree with the dequantized stack."""
+    parts = [stored("Q6_K", 8, 256, 1), stored("Q4_K", 5, 256, 2), stored("Q8_0", 3, 256, 3)]
+    rng = np.random.default_rng(4)
+    parts.append(StoredTensor("F32", (2, 256), rng.standard_normal((2, 256)).astype(np.float32)))
+    parts.append(StoredTensor("F16", (4, 256), rng.standard_normal((4, 256)).astype(np.float16)))
+    matrix = QuantMatrix(parts)
+    dense = np.concatenate([p.dequantize() for p in parts])
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    got = x @ matrix.T
+    assert got.shape == (3, 22) and matrix.shape == (22, 256)
+    assert np.abs(got - x @ dense.T).max() < 0.03 * np.abs(x @ dense.T).max()
+    rows = np.array([21, 0, 9, 14, 13])
+    np.testing.assert_array_equal(matrix[rows], dense[rows])
+
+
+def test_paged_attention_matches_the_reference_runner():
+    """With float32 weights (BLAS linears) the two runners differ only in attention: the numba
+    kernel's logits match numpy's, for prefill rows spanning pages and a batch of decode rows."""
+    from ninfer.core.params import SamplingParams
+    from ninfer.core.runner import SampleSpec, StepRow
+
+    model = tiny_llama(vocab_size=50, max_context=64)
+    made = [runner(model, num_pages=12, page_size=4) for runner in (CpuRunner, ReferenceRunner)]
+    spec = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=0, want_logits=True)
+    rng = np.random.default_rng(0)
+    tables = [np.array([5, 1, 7, 3], np.int32), np.array([0, 2, 4, 6], np.int32), np.array([8, 9, 10, 11], np.int32)]
+    steps = [
+        [StepRow(seq_id=s, token_ids=rng.integers(0, 50, n).astype(np.int32), start_pos=0, page_table=tables[s],
+                 sample=spec) for s, n in enumerate((7, 1, 10))],
+        [StepRow(seq_id=s, token_ids=rng.integers(0, 50, 1).astype(np.int32), start_pos=p, page_table=tables[s],
+                 sample=spec) for s, p in enumerate((7, 1, 10))],
+        [StepRow(seq_id=0, token_ids=rng.integers(0, 50, 5).astype(np.int32), start_pos=8, page_table=tables[0],
+                 sample=spec)],
+    ]  # fmt: skip
+    for rows in steps:
+        got, want = (runner.step(rows) for runner in made)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.logits, w.logits, rtol=1e-4, atol=1e-4)
+
+
+# -- the runner on the real model -------------------------------------------------------------
+
+NUM_PAGES, PAGE_SIZE = 16, 16
+PROMPTS = ["The lighthouse keeper kept two notebooks.", "def fib(n):\n    return", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def runners(smollm2):
+    return CpuRunner(smollm2, num_pages=NUM_PAGES, page_size=PAGE_SIZE), ReferenceRunner(
+        smollm2, num_pages=NUM_PAGES, page_size=PAGE_SIZE
+    )
+
+
+def test_the_weights_stay_stored(runners, smollm2):
+    cpu, reference = runners
+    assert cpu.weight_nbytes == smollm2.weights.nbytes  # every tensor read in place, none widened
+    assert reference.weight_nbytes > 5 * cpu.weight_nbytes
+
+
+def test_logits_stay_within_the_q8_tolerance_of_the_reference(runners, smollm2):
+    cpu, reference = runners
+    ids = smollm2.tokenizer.encode(HELDOUT_TEXT)[:96]
+    report = quality.compare(reference, cpu, ids)
+    print(f"\ncpu vs reference: top-1 {report.top1_agreement:.4f}, mean KL {report.mean_kl:.5f}, "
+          f"perplexity {report.perplexity_a:.3f} -> {report.perplexity_b:.3f}")  # fmt: skip
+    assert report.top1_agreement >= 0.9
+    assert report.mean_kl < 0.01
+    assert abs(report.perplexity_ratio - 1) < 0.02
+
+
+def test_greedy_tokens_follow_the_reference(runners, smollm2):
+    """Along the reference's greedy continuation of each prompt, the cpu runner picks the same
+    token wherever the reference's choice is clear (top-2 log-probability gap > 0.5 nats):
+    4-bit weights leave near-ties, where q8 activations may flip a free-running string
+    (MODELS.md, pitfall 6)."""
+    cpu, reference = runners
+    num_clear = 0
+    for prompt in PROMPTS:
+        ids = smollm2.tokenizer.encode(prompt)
+        path = ids + quality.greedy_tokens(reference, ids, 16)
+        want = quality.teacher_forced_logprobs(reference, path)[len(ids) - 1 :]
+        got = quality.teacher_forced_logprobs(cpu, path)[len(ids) - 1 :]
+        top2 = np.sort(want, axis=1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 0.5
+        np.testing.assert_array_equal(got.argmax(axis=1)[clear], want.argmax(axis=1)[clear])
+        num_clear += int(clear.sum())
+        print(f"\n{prompt!r}: free-running greedy agreement {quality.greedy_agreement(reference, cpu, ids, 16)} / 16,"
+              f" {int(clear.sum())} clear positions of {len(clear)}")  # fmt: skip
+    assert num_clear >= 24
+
+
+# -- the scheduler on the cpu runner ----------------------------------------------------------
+
+
+def quantized_tiny_llama(**kwargs):
+    """test_sched_reference's tiny llama with every matrix stored as Q8_0 (embedding) or Q4_1."""
+    spec, weights = tiny_llama(**kwargs)
+
+    def quantize(name, tensor):
+        if len(tensor.shape) == 1:
+            return tensor
+        qtype = "Q8_0" if name == "embed" else "Q4_1"
+        return StoredTensor(qtype, tensor.shape, gguf.quants.quantize(tensor.data, GGMLQuantizationType[qtype]))
+
+    return spec, ModelWeights({n: quantize(n, t) for n, t in weights.items()}, weights.num_layers)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """test_sched_reference's tests, run on CpuRunners over a quantized tiny llama."""
+    monkeypatch.setattr(sched_tests, "ReferenceRunner", CpuRunner)
+    monkeypatch.setattr(sched_tests, "tiny_llama", quantized_tiny_llama)
+
+
+async def test_pressure_on_the_cpu_runner_changes_no_token(on_cpu, smollm2):
+    await sched_tests.test_pressure_on_the_reference_runner_changes_no_token(smollm2.tokenizer, smollm2)
+
+
+async def test_lookahead_on_the_cpu_runner_changes_no_token(on_cpu, smollm2):
+    await sched_tests.test_lookahead_on_the_reference_runner_changes_no_token(smollm2.tokenizer)
+
+
+# -- the runtime ------------------------------------------------------------------------------
+
+
+def test_the_runtime_builds_the_cpu_backend_and_auto_keeps_reference(smollm2, monkeypatch):
+    import ninfer.gpu.cuda.available as available
+    from ninfer.runtime import BACKENDS, RuntimeOptions, create_runner, resolve_backend
+    from ninfer.sched.config import EngineConfig
+
+    monkeypatch.setattr(available, "cuda_available", lambda: False)
+    assert "cpu" in BACKENDS and resolve_backend("auto") == "reference"
+    config = EngineConfig(kv_capacity=64, max_context=64)
+    runner, backend, _ = create_runner(smollm2, RuntimeOptions(backend="cpu"), config)
+    assert backend == "cpu" and isinstance(runner, CpuRunner) and runner.num_pages == 4
