@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import pstats
 import time
+import types
 
 
 def main() -> None:
@@ -35,7 +36,8 @@ def main() -> None:
     if args.random:
         from ninfer.gpu.cuda.random_model import random_model, random_spec
 
-        model = random_model(random_spec(args.random), args.random_qtype)
+        spec, weights = random_model(random_spec(args.random), args.random_qtype)
+        model = types.SimpleNamespace(spec=spec, weights=weights)  # what create_runner reads of a model
     else:
         model = runtime.load(args.model, progress=False)
     t1 = time.perf_counter()
