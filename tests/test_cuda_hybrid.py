@@ -48,7 +48,8 @@ def _setup(scale, num_layers=None):
         spec = random_spec("tiny-hybrid", num_layers=num_layers or 3)
         return spec, random_model(spec, "F32", embed_qtype="F32", seed=7), np.float32, 1e-4
     # the served configuration: Q8_0 weights, a float16 KV pool (the tensor-core prefill attention)
-    spec = random_spec("qwen35-like", max_context=512, num_layers=num_layers or 8)
+    # (every fourth layer is full attention: a short model keeps at least one, 4 layers)
+    spec = random_spec("qwen35-like", max_context=512, num_layers=max(num_layers or 8, 4))
     return spec, random_model(spec, "Q8_0", embed_qtype="Q8_0", seed=7), np.float16, 2e-2
 
 
