@@ -163,10 +163,6 @@ def host_memory() -> tuple[int, int]:
 def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineConfig) -> tuple[Runner, str, EngineConfig]:
     """(runner, backend name, `config` resolved for the model) for these options and limits."""
     backend = resolve_backend(options.backend)
-    if backend == "cuda" and model.spec.is_hybrid:  # no CUDA Gated DeltaNet in the runner yet
-        if options.backend == "cuda":
-            raise ConfigError("--backend cuda does not run hybrid (qwen35) models yet; use --backend reference")
-        backend = "reference"
     config = config_for_model(model, config)
     num_pages = num_pages_for(model, config, backend, reserve_bytes=options.reserve_bytes)
     if backend == "cuda":
@@ -176,7 +172,7 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
         runner = CudaRunner(
             model, num_pages=num_pages, page_size=config.page_size, max_batch_rows=options.max_batch_rows,
             max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
-            activations=options.activations,
+            activations=options.activations, max_sequences=config.max_concurrency,  # hybrids' state slots
         )  # fmt: skip
     elif backend == "cpu":
         if model.spec.is_hybrid:
@@ -223,7 +219,9 @@ def warm_up(runner: Runner, backend: str, config: EngineConfig, *, progress: boo
     import time
 
     started = time.perf_counter()
-    runner.warm_up(max_rows=config.max_concurrency, max_context=config.max_context, progress=progress)
+    # hybrids: rows cannot start mid-sequence (recurrent state), so their warm-up runs real sequences
+    warm = runner.warm_up_hybrid if runner.spec.is_hybrid else runner.warm_up
+    warm(max_rows=config.max_concurrency, max_context=config.max_context, progress=progress)
     return time.perf_counter() - started
 
 

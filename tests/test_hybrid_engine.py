@@ -110,13 +110,12 @@ def test_cli_generate_runs_the_hybrid_gguf_greedily_as_transformers(hybrid, mode
     assert np.all(np.asarray(out["token_ids"]) < model.tokenizer.vocab_size)
 
 
-def test_a_gpu_machine_runs_hybrids_on_the_reference_backend_until_cuda_has_gdn(model, monkeypatch):
+def test_the_cpu_backend_refuses_hybrids_with_a_clear_error(model):
     from ninfer import runtime
     from ninfer.sched.config import ConfigError
 
-    monkeypatch.setattr(runtime, "resolve_backend", lambda name: "cuda")  # as if a GPU were present
     config = EngineConfig(page_size=PAGE, max_context=32, kv_capacity=64)
-    runner, backend, _ = runtime.create_runner(model, runtime.RuntimeOptions(backend="auto"), config)
-    assert backend == "reference" and isinstance(runner, ReferenceRunner)
     with pytest.raises(ConfigError, match="hybrid"):
-        runtime.create_runner(model, runtime.RuntimeOptions(backend="cuda"), config)
+        runtime.create_runner(model, runtime.RuntimeOptions(backend="cpu"), config)
+    runner, backend, _ = runtime.create_runner(model, runtime.RuntimeOptions(backend="reference"), config)
+    assert backend == "reference" and isinstance(runner, ReferenceRunner) and runner.spec.is_hybrid

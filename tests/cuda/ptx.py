@@ -26,7 +26,7 @@ KERNEL_MODULES = (
     "kernels.dequant", "kernels.gemv", "kernels.gemv_folds", "kernels.gemm", "kernels.norm", "kernels.rope",
     "kernels.attn_decode", "kernels.attn_lp", "kernels.attn_prefill", "kernels.flash", "kernels.swiglu", "kernels.embed",
     "kernels.act_quant", "kernels.sampler", "pages",
-    "kernels.gdn",
+    "kernels.gdn", "kernels.gated_attn",
 )  # fmt: skip
 
 

@@ -66,6 +66,8 @@ def _io_arrays(spec, limits: Limits) -> list[tuple]:
         ("masks", "h_masks", (r, (spec.vocab_size + 31) // 32), np.uint32),
         # outputs in one int32 allocation: tokens [r] | logprob bits [r] | top ids [r, K] | top bits [r, K]
         ("out", "h_out", r * (2 + 2 * MAX_TOP_LOGPROBS), np.int32),
+        # hybrid models: each row's first token, GDN state slot and fresh flag (hybrid.gdn_step)
+        *([("gdn_rows", "h_gdn_rows", (3, r + 1), np.int32)] if spec.is_hybrid else []),
     ]  # fmt: skip
 
 
@@ -88,6 +90,7 @@ class StepBuffers:
         wide = max(d, spec.q_dim, spec.d_ffn)
         qkv_dim = spec.q_dim + 2 * spec.kv_dim
         self.limits = limits
+        self.is_hybrid = spec.is_hybrid
         # activations
         self.x = _dev((t, d), np.float32)  # the residual stream
         self.h = _dev((t, wide), np.float32)  # float inputs of the linears

@@ -7,6 +7,7 @@ import numpy as np
 from numba import cuda
 
 from ninfer.gpu.cuda.device_weights import DeviceWeight, upload_weight
+from ninfer.gpu.cuda.hybrid import is_gdn, upload_gdn_layer
 from ninfer.gpu.cuda.kernels.quant_layout import concat_rows, pack_tensor
 from ninfer.models.weights import ModelWeights
 
@@ -35,7 +36,7 @@ class DeviceModel:
     embed: DeviceWeight
     head: DeviceWeight
     final_norm: object
-    layers: tuple[DeviceLayer, ...]
+    layers: tuple  # DeviceLayer, or hybrid.GdnDeviceLayer for a hybrid's linear-attention layers
     nbytes: int  # bytes of weights on the device
 
     @property
@@ -61,9 +62,15 @@ def upload_model(spec, weights: ModelWeights, *, stream=0, progress: bool = Fals
         cat = concat_rows(packed)
         return tuple(upload_weight(p, stream) for p in ([cat] if cat is not None else packed))
 
+    def single(name):
+        return upload_weight(pack_tensor(weights[name]), stream)
+
     layers = []
     for i in tqdm(range(spec.num_layers), desc="uploading weights", unit="layer", disable=not progress):
         p = f"layers.{i}."
+        if is_gdn(spec, i):  # hybrids' linear-attention layers (gated attention layers: below, wq with its gate rows)
+            layers.append(upload_gdn_layer(weights, i, vec, fused, single, stream))
+            continue
         layers.append(
             DeviceLayer(
                 attn_norm=vec(p + "attn_norm"),

@@ -7,7 +7,8 @@ Per layer (activations `act` = int8 blocks for the dp4a GEMV, or float32):
     rmsnorm(x) -> act ; QKV linear ; bias / q-k norm / RoPE / K-V write ; attention -> act
     x += O linear ; rmsnorm(x) -> act ; gate+up linear ; SwiGLU -> act ; x += down linear
 
-then the final norm of each sampled row's last token, the LM head and the sampler. One-token
+then the final norm of each sampled row's last token, the LM head (its columns past the
+tokenizer's ids set to -inf where the vocabulary is padded) and the sampler. One-token
 q8 steps fold small kernels into the GEMVs next to them (gemv_folds.py), as the `KernelPlan`
 allows: where every layer's matrices are small enough, each RMSNorm into the QKV / gate+up
 GEMV after it and SwiGLU into the down GEMV (`folds`: three kernels fewer a layer); where they
@@ -20,7 +21,8 @@ from __future__ import annotations
 import attrs
 
 from ninfer.gpu.cuda.kernels import (
-    act_quant, attn_decode, attn_lp, attn_prefill, embed, flash, gemm, gemv, gemv_folds, norm, rope, sampler, swiglu,
+    act_quant, attn_decode, attn_lp, attn_prefill, embed, flash, gated_attn, gemm, gemv, gemv_folds, norm, rope, sampler,
+    swiglu,
 )
 from ninfer.gpu.cuda.kernels.qdot import SPLIT_QTYPES
 from ninfer.gpu.cuda.plan import DEFAULT, KernelPlan
@@ -71,6 +73,7 @@ class Forward:
         self.head_q8 = q8 and model.head.qtype not in gemv.FLOAT_QTYPES
         self.split_len = split_len
         self.sampler_threads = sampler_threads
+        self.num_ids = spec.num_sampled_ids  # head columns past the tokenizer's ids are masked
         # the folds one-token q8 steps take: every layer's matrices must fit gemv_fused
         mats = {"attn_norm": lambda l: l.wqkv, "ffn_norm": lambda l: l.w_gate_up, "swiglu": lambda l: (l.w_down,)}
         self.folds = frozenset(
@@ -245,4 +248,5 @@ class Forward:
         act = "q8" if (self.head_q8 and s <= gemv.MAX_M) else "f32"
         self._norm(self.model.final_norm, s, act, stream, rows=b.last_tok)
         self._linear((self.model.head,), s, act, b.logits, None, stream)
+        gated_attn.mask_logits(b.logits, self.num_ids, s, stream)  # padded vocabularies only
         sampler.sample(b.sampler_args(), s, stream, self.sampler_threads, plan=self.plan)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ninfer.gpu.cuda.kernels.quant_layout import random_stored
-from ninfer.models.spec import ModelSpec
+from ninfer.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, GdnSpec, ModelSpec
 from ninfer.models.weights import ModelWeights, StoredTensor
 
 SHAPES = {
@@ -26,7 +26,29 @@ SHAPES = {
 }  # fmt: skip
 
 
+# Hybrids (qwen35): three Gated DeltaNet layers to one gated full-attention layer (the tiny
+# one: GDN, attention, GDN)
+HYBRID_SHAPES = {
+    # (the simulator's: every dimension as small as the kernels allow)
+    "tiny-hybrid": dict(arch="qwen35", num_layers=3, d_model=32, d_ffn=32, num_heads=1, num_kv_heads=1, head_dim=32,
+                        rope_dim=8, vocab_size=64, max_context=64, has_qk_norm=True, has_attn_gate=True,
+                        gdn=dict(num_k_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16, conv_kernel=4)),
+    # Qwen3.5's text-model layer shapes (256-dim heads, a quarter rotated; 128 x 128 GDN states),
+    # fewer layers: GPU checks at real speed
+    "qwen35-like": dict(arch="qwen35", num_layers=8, d_model=1024, d_ffn=3584, num_heads=8, num_kv_heads=2,
+                        head_dim=256, rope_dim=64, vocab_size=151936, max_context=4096, rope_theta=10000000.0,
+                        has_qk_norm=True, has_attn_gate=True, tie_embeddings=True,
+                        gdn=dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, conv_kernel=4)),
+}  # fmt: skip
+
+
 def random_spec(shape: str, **overrides) -> ModelSpec:
+    if shape in HYBRID_SHAPES:
+        fields = {**HYBRID_SHAPES[shape], **overrides}
+        n = fields["num_layers"]
+        full = (lambda i: i == 1) if shape == "tiny-hybrid" else (lambda i: i % 4 == 3)
+        types = [FULL_ATTENTION if full(i) else LINEAR_ATTENTION for i in range(n)]
+        return ModelSpec(**{**fields, "gdn": GdnSpec(**fields["gdn"]), "layer_types": types})
     return ModelSpec(**{**SHAPES[shape], **overrides})
 
 
@@ -46,17 +68,41 @@ def random_model(spec: ModelSpec, qtype: str = "Q4_1", *, embed_qtype: str = "Q8
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         t[p + "attn_norm"] = vec(spec.d_model)
-        t[p + "wq"] = mat(spec.q_dim, spec.d_model, gain=2.0)
-        t[p + "wk"] = mat(spec.kv_dim, spec.d_model, gain=2.0)
-        t[p + "wv"] = mat(spec.kv_dim, spec.d_model)
-        if spec.has_qkv_bias:
-            for b, n in (("bq", spec.q_dim), ("bk", spec.kv_dim), ("bv", spec.kv_dim)):
-                t[p + b] = vec(n, 0.0, 0.05)
-        if spec.has_qk_norm:
-            t[p + "q_norm"], t[p + "k_norm"] = vec(spec.head_dim), vec(spec.head_dim)
-        t[p + "wo"] = mat(spec.d_model, spec.q_dim, gain=0.5)
+        if spec.layer_type(i) == LINEAR_ATTENTION:
+            t.update(_random_gdn(spec, p, mat, vec, rng))
+        else:
+            t.update(_random_attention(spec, p, mat, vec))
         t[p + "ffn_norm"] = vec(spec.d_model)
         t[p + "w_gate"] = mat(spec.d_ffn, spec.d_model)
         t[p + "w_up"] = mat(spec.d_ffn, spec.d_model)
         t[p + "w_down"] = mat(spec.d_model, spec.d_ffn, gain=0.5)
     return spec, ModelWeights(t, spec.num_layers)
+
+
+def _random_attention(spec, p, mat, vec) -> dict:
+    """An attention layer's tensors (drawn in this order: the dense models' weights stay as they were)."""
+    t = {p + "wq": mat(spec.q_dim * (2 if spec.has_attn_gate else 1), spec.d_model, gain=2.0)}
+    t[p + "wk"] = mat(spec.kv_dim, spec.d_model, gain=2.0)
+    t[p + "wv"] = mat(spec.kv_dim, spec.d_model)
+    if spec.has_qkv_bias:
+        for name, n in (("bq", spec.q_dim), ("bk", spec.kv_dim), ("bv", spec.kv_dim)):
+            t[p + name] = vec(n, 0.0, 0.05)
+    if spec.has_qk_norm:
+        t[p + "q_norm"], t[p + "k_norm"] = vec(spec.head_dim), vec(spec.head_dim)
+    t[p + "wo"] = mat(spec.d_model, spec.q_dim, gain=0.5)
+    return t
+
+
+def _random_gdn(spec, p, mat, vec, rng) -> dict:
+    """A Gated DeltaNet layer's tensors: decays exp(g) spread over (0, 1), float32 conv taps."""
+    g, d = spec.gdn, spec.d_model
+    nv = g.num_v_heads
+    taps = (rng.standard_normal((g.conv_dim, g.conv_kernel)) * 0.5).astype(np.float32)
+    return {
+        p + "gdn_qkv": mat(g.conv_dim, d, gain=2.0), p + "gdn_z": mat(g.value_dim, d),
+        p + "gdn_beta": mat(nv, d), p + "gdn_alpha": mat(nv, d),
+        p + "gdn_conv": StoredTensor("F32", taps.shape, taps),
+        p + "gdn_dt_bias": vec(nv, 0.0, 0.5),
+        p + "gdn_a": StoredTensor("F32", (nv,), -np.exp(rng.standard_normal(nv) * 0.5).astype(np.float32)),
+        p + "gdn_norm": vec(g.head_v_dim), p + "gdn_out": mat(d, g.value_dim, gain=0.5),
+    }  # fmt: skip

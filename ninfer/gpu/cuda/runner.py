@@ -10,6 +10,11 @@ and mirror set (one graph launch a step on the host), or eagerly, and records an
 runs; with `feed` its embedding gathers step N's samples where the sampler left them.
 Rows that ask for outputs at every position (all logits, per-layer hidden rows) get them
 through `positions.py`; other rows' steps are untouched.
+
+Hybrid (qwen35) models (hybrid.py) also keep each sequence's Gated DeltaNet state in a pool of
+`max_sequences` device slots, by seq_id (a row at position 0 takes one, `release_sequence`
+frees it); their steps run on float32 activations, decode steps as graphs and the others
+eagerly, and only the full-attention layers have KV pages.
 """
 
 from __future__ import annotations
@@ -22,6 +27,10 @@ import numpy as np
 from numba import cuda
 
 from ninfer.gpu import sampling
+from ninfer.gpu.cuda.buckets import bucket as _bucket
+from ninfer.gpu.cuda.buckets import token_bucket as _token_bucket
+from ninfer.gpu.cuda.buckets import warm_rows as _warm_rows
+from ninfer.gpu.cuda.buckets import zeros as _zeros
 from ninfer.gpu.cuda import pages, positions
 from ninfer.gpu.cuda.buffers import MIRRORS, Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
@@ -66,13 +75,16 @@ class CudaRunner:
         sampler_threads: int | None = None,
         progress: bool = False,
         plan: KernelPlan | None = None,
+        max_sequences: int | None = None,
     ):
         """`activations`: 'f32' (default) runs the decode linears on float activations (logits
         within ~1e-3 of the reference); 'q8' on int8 activations with dp4a, llama.cpp's
         scheme (fewer instructions, logits a few percent off). Prefill (more than 8 tokens)
         always uses the f16 tensor-core GEMM. `max_context` (default the model's) sizes the
         page tables, RoPE tables and attention scratch; longer positions are rejected. `plan`:
-        the kernel choices (default `KernelPlan()`, the measured defaults)."""
+        the kernel choices (default `KernelPlan()`, the measured defaults). `max_sequences`
+        (hybrid models; default max_batch_rows): sequences whose recurrent state the runner
+        holds at once, running or waiting between steps."""
         from ninfer.gpu.reference import rope_angles, spec_and_weights
 
         spec, weights = spec_and_weights(model)
@@ -83,6 +95,10 @@ class CudaRunner:
         if spec.head_dim % 32:
             raise ValueError(f"the CUDA kernels need head_dim to be a multiple of 32, got {spec.head_dim}")
         self.spec = spec
+        if spec.is_hybrid:  # eager steps on float32 activations (hybrid.py)
+            if spec.head_dim > 1024:
+                raise ValueError(f"the gated attention kernels need head_dim <= 1024, got {spec.head_dim}")
+            activations = "f32"
         self.max_context = min(max_context or spec.max_context, spec.max_context)
         split_len = split_len or _split_len(self.max_context)
         self.page_size = page_size
@@ -100,7 +116,13 @@ class CudaRunner:
             max_splits=-(-self.max_context // split_len),
         )
         self.bufs = StepBuffers(spec, self.limits)
-        kv_shape = (spec.num_layers, num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
+        self._states = None
+        if spec.is_hybrid:
+            from ninfer.gpu.cuda.hybrid import HybridBuffers, StatePool
+
+            self._states = StatePool(spec, max_sequences or max_batch_rows, self.stream)
+            self._hybrid_bufs = HybridBuffers(spec, self.limits, self.bufs)
+        kv_shape = (len(spec.attention_layers), num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
         if math.prod(kv_shape[1:]) >= 2**32:  # the decode kernels' KV offsets are 32-bit (intrinsics.ld8)
             raise ValueError(f"{num_pages} KV pages of {page_size} tokens exceed 2**32 elements a layer: use fewer pages")
         self.k_pool = _zeros(kv_shape, self.kv_dtype, self.stream)
@@ -127,8 +149,13 @@ class CudaRunner:
         every captured graph is dropped and captured anew. Call between steps."""
         self.stream.synchronize()
         self.plan = plan
-        self.forward = Forward(self.spec, self.model, self.bufs, self.k_pool, self.v_pool, self._cos, self._sin, plan=plan,
-                               **self._forward_args)  # fmt: skip
+        forward, extra = Forward, {}
+        if self._states is not None:
+            from ninfer.gpu.cuda.hybrid import HybridForward
+
+            forward, extra = HybridForward, dict(pool=self._states, hbufs=self._hybrid_bufs)
+        self.forward = forward(self.spec, self.model, self.bufs, self.k_pool, self.v_pool, self._cos, self._sin, plan=plan,
+                               **self._forward_args, **extra)  # fmt: skip
         if self._graphs is not None:
             self._graphs.close()
             self._graphs = None
@@ -170,7 +197,16 @@ class CudaRunner:
         if feed and (len(self._last.state) != 1 or len(batches) != 1):
             # the samples are not in one sub-step's outputs: take them through the host
             rows, feed = with_tokens(rows, self.collect(self._last)), False
-        self._last = Pending(rows, [self._launch(rows, batch, feed) for batch in batches])
+        if self._states is None:
+            self._last = Pending(rows, [self._launch(rows, batch, feed) for batch in batches])
+            return self._last
+        slots = self._states.begin(rows)  # raises before anything is queued
+        try:
+            self._last = Pending(rows, [self._launch(rows, batch, feed, slots) for batch in batches])
+        except BaseException:
+            self._states.abort(rows)
+            raise
+        self._states.commit(rows, slots)
         return self._last
 
     def collect(self, pending: Pending) -> list[SampledToken | None]:
@@ -262,17 +298,44 @@ class CudaRunner:
             pages.page_copy(self._pool3(pool), d_src, d_dst, src.size, self.stream)
         self.stream.synchronize()
 
+    # -- recurrent state (hybrid models) -------------------------------------------------------
+
+    def release_sequence(self, seq_id: int) -> None:
+        """Free a sequence's recurrent-state slot (it finished, or paused to replay); no-op
+        without one. A step already queued that uses the slot still runs first."""
+        if self._states is not None:
+            self._states.release(seq_id)
+
+    @property
+    def num_recurrent_states(self) -> int:
+        """Sequences whose recurrent state this runner holds (0 for dense models)."""
+        return 0 if self._states is None else len(self._states)
+
+    def recurrent_state(self, seq_id: int):
+        """A sequence's recurrent state copied to the host (`gdn.SequenceState`; tests and
+        tools; waits for the queued steps), or None."""
+        return None if self._states is None else self._states.read(seq_id, self.stream)
+
+    def warm_up_hybrid(self, *, max_rows: int, max_context: int | None = None, progress: bool = False) -> int:
+        """`warm_up` for hybrid models, whose rows cannot start mid-sequence (the recurrent
+        state): compiles their kernels and captures their decode graphs (hybrid.warm_up_hybrid)."""
+        from ninfer.gpu.cuda.hybrid import warm_up_hybrid
+
+        return warm_up_hybrid(self, max_rows=max_rows, max_context=max_context, progress=progress)
+
     def close(self) -> None:
         """Release graphs and device memory."""
         if self._graphs is not None:
             self._graphs.close()
         self.stream.synchronize()
-        self.k_pool = self.v_pool = None
+        if self._states is not None:
+            self._states.clear()
+        self.k_pool = self.v_pool = self._states = None
         self.forward = self.bufs = self.model = None
 
     # -- one sub-step -----------------------------------------------------------------------------
 
-    def _launch(self, rows: Sequence[StepRow], batch: list[Piece], feed: bool) -> _Sub:
+    def _launch(self, rows: Sequence[StepRow], batch: list[Piece], feed: bool, slots=None) -> _Sub:
         """Stage one sub-step into the next host mirror set and queue it: the inputs' copies,
         the forward pass (feed: over the samples before), the outputs' copies back."""
         m = self._next_mirror
@@ -286,13 +349,21 @@ class CudaRunner:
         hooked = positions.hooked_layers(rows, batch) if asks else frozenset()  # eager, hooked after those layers
         layer_rows: dict[int, np.ndarray] = {}
         after_layer = positions.layer_hook(self.bufs, rows, batch, hooked, self.stream, layer_rows) if hooked else None
-        key = (*self._graph_key(rows, batch, decode), m, feed) if self.use_graphs and not hooked else None
+        gdn = None
+        if slots is not None:  # hybrids: each piece's state slot; only decode steps go in graphs
+            from ninfer.gpu.cuda.hybrid import gdn_step
+
+            gdn = gdn_step(rows, batch, slots)
+        graphable = self.use_graphs and not hooked and (gdn is None or gdn.decode)
+        key = (*self._graph_key(rows, batch, decode), m, feed) if graphable else None
         pad_rows, pad_tokens = (key[1], key[2]) if key else (None, None)
         staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
         splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
                         decode=decode, num_tiles=staged.num_tiles, num_splits=splits, feed=feed)  # fmt: skip
         copies = self.plan.copies_in_graph
+        if gdn is not None:
+            self.forward.stage(gdn, pad_rows)
 
         def launch():  # the inputs' copies, the forward pass, the sampled ids' copy back
             if copies:
@@ -386,18 +457,6 @@ class CudaRunner:
         return pool.reshape(pool.shape[0], pool.shape[1], self._page_elems)
 
 
-def _zeros(shape, dtype, stream):
-    """A zero-filled device array, cleared on the device (no host-sized temporary)."""
-    if SIMULATOR:
-        return cuda.to_device(np.zeros(shape, dtype), stream=stream)
-    from ninfer.gpu.cuda.graphs import check, stream_handle
-    from cuda.bindings import driver
-
-    arr = cuda.device_array(shape, dtype=dtype, stream=stream)
-    check(driver.cuMemsetD8Async(arr.__cuda_array_interface__["data"][0], 0, arr.nbytes, stream_handle(stream)))
-    return arr
-
-
 def _warm_shapes(runner: CudaRunner, max_rows: int, max_context: int) -> list[tuple[str, int, int]]:
     """(kind, rows, context or tokens) of one step per graph key `runner` can be asked for."""
     top_rows = _bucket(min(max_rows, runner.limits.max_rows), runner.limits.max_rows)
@@ -415,27 +474,6 @@ def _warm_shapes(runner: CudaRunner, max_rows: int, max_context: int) -> list[tu
             if n > r // 2 and n < t <= n * top_context:
                 shapes.append(("prefill", n, t))
     return shapes
-
-
-def _warm_rows(num_rows: int, counts: list[int], start_pos: int, page_size: int) -> list[StepRow]:
-    from ninfer.core.params import SamplingParams
-    from ninfer.core.runner import SampleSpec
-
-    spec = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=0)
-    return [
-        StepRow(seq_id=i, token_ids=np.zeros(n, np.int32), start_pos=start_pos,
-                page_table=np.arange(-(-(start_pos + n) // page_size), dtype=np.int32), sample=spec)
-        for i, n in enumerate(counts)
-    ]  # fmt: skip
-
-
-def _bucket(n: int, max_rows: int) -> int:
-    return min(1 << (n - 1).bit_length(), max_rows)
-
-
-def _token_bucket(n: int) -> int:
-    """Powers of two up to 512 tokens, then multiples of 512 (at most ~2x padding work)."""
-    return 1 << (n - 1).bit_length() if n <= 512 else -(-n // 512) * 512
 
 
 def _longest(rows, batch) -> int:

@@ -192,7 +192,7 @@ def _stage_sampling(bufs: StepBuffers, specs) -> tuple[int, bool]:
 
 def upload(bufs: StepBuffers, staged: Staged, stream) -> None:
     """Copy up the staged inputs of fixed size per graph bucket (tokens, rows, page tables, the
-    head rows' sampling parameters, prefill tiles). The CUDA runner issues these copies, the
+    head rows' sampling parameters, prefill tiles, hybrids' GDN rows). The CUDA runner issues these copies, the
     forward pass and `download` together, so a captured graph replays all three: a decode
     step costs the host one graph launch and one synchronisation."""
     r, h = staged.num_rows, staged.num_sampled
@@ -200,6 +200,8 @@ def upload(bufs: StepBuffers, staged: Staged, stream) -> None:
     pairs = [(bufs.row_in, bufs.h_row, None), (bufs.tables, bufs.h_tables, r)]
     if h:
         pairs += [(bufs.fpar, bufs.h_fpar, h), (bufs.ipar, bufs.h_ipar, h), (bufs.seeds, bufs.h_seeds, h)]
+    if bufs.is_hybrid:
+        pairs.append((bufs.gdn_rows, bufs.h_gdn_rows, None))
     for dev, host, n in pairs:
         _copy_up(dev, host, n, stream)
     if staged.num_tiles:

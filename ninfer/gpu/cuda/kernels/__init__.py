@@ -9,4 +9,5 @@ its `ptx_cases()` (the compiled signatures tests/test_ptx.py builds for sm_90 an
     attn_decode, attn_lp, attn_prefill, flash attention
     sampler      on-device sampling
     gdn          Gated DeltaNet (Qwen3.5 linear attention): causal conv1d, delta rule, gated norm
+    gated_attn   Qwen3.5's gated attention (q/gate split, partial RoPE, sigmoid gate); padded-vocab mask
 """

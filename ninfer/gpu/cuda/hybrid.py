@@ -1,0 +1,357 @@
+"""Hybrid (qwen35) models on the CUDA runner: GDN weights, the recurrent-state pool, the forward.
+
+A hybrid interleaves Gated DeltaNet layers (linear attention over a per-sequence recurrent
+state) with gated full-attention layers (partial RoPE, an output gate). Here:
+
+- `upload_gdn_layer`: a GDN layer's weights on the device (device_model.upload_model calls it
+  for linear-attention layers; gated attention layers are plain `DeviceLayer`s whose wq holds
+  the gate rows too). The kernels take A_log and exponentiate it; the stored `gdn_a` is
+  already -exp(A_log), so A_log = log(-gdn_a) is uploaded.
+- `StatePool`: the conv windows [gdn layers, slots, K - 1, conv_dim] and delta-rule states
+  [gdn layers, slots, Hv, dk, dv] (float32) and, on the host, which slot each sequence holds
+  and how many tokens its state has seen. A row at position 0 takes a slot (its own again on a
+  replay), every later row must start where its state ends (the reference StateStore's rule,
+  checked before anything is launched), `release` frees the slot for another sequence. One
+  spare slot more takes the writes of graph buckets' padding rows.
+- `HybridForward`: the launch sequence. GDN layers: RMSNorm, one fused projection
+  (qkv | z | beta | alpha), the causal conv, the delta rule (decode kernels when every row is
+  one token continuing a state, else the prefill kernels, which take any mix of rows), the
+  gated RMSNorm, the output projection. Gated attention layers: the QKV projection,
+  gated_qkv_post, the existing attention kernels, the sigmoid gate, the output projection.
+
+Hybrid steps run on float32 activations. The per-step GDN inputs (row starts, slots, fresh
+flags) are a step input like the others (StepBuffers.gdn_rows), so decode steps whose rows all
+continue a state are captured and replayed as CUDA graphs (padding rows use a spare slot);
+steps with a prefill row, or a row starting a sequence, run eagerly (their conv grid depends
+on the longest row).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+from numba import cuda
+
+from ninfer.gpu import gdn as gdn_ref
+from ninfer.gpu.cuda.buckets import bucket, token_bucket, warm_rows, zeros
+from ninfer.gpu.cuda.device_weights import DeviceWeight
+from ninfer.gpu.cuda.forward import Forward, StepPlan
+from ninfer.gpu.cuda.kernels import embed, flash, gated_attn, gdn, gemm, gemv, swiglu
+from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
+from ninfer.models.spec import LINEAR_ATTENTION
+
+
+@attrs.frozen(eq=False)
+class GdnDeviceLayer:
+    """One Gated DeltaNet decoder block on the device."""
+
+    attn_norm: object  # float32 [d]
+    w_in: tuple[DeviceWeight, ...]  # fused [qkv; z; beta; alpha] rows, or the four when their types differ
+    conv: object  # float32 [K, conv_dim]
+    a_log: object  # float32 [Hv]: log(-gdn_a)
+    dt_bias: object  # float32 [Hv]
+    norm: object  # float32 [dv]
+    w_out: DeviceWeight
+    ffn_norm: object
+    w_gate_up: tuple[DeviceWeight, ...]
+    w_down: DeviceWeight
+
+    @property
+    def linears(self) -> tuple[DeviceWeight, ...]:
+        return (*self.w_in, self.w_out, *self.w_gate_up, self.w_down)
+
+
+def upload_gdn_layer(weights, i: int, vec, fused, single, stream=0) -> GdnDeviceLayer:
+    """Layer i's GDN weights; `vec`, `fused`, `single` are upload_model's helpers."""
+    p = f"layers.{i}."
+
+    def host_vec(array):
+        return cuda.to_device(np.ascontiguousarray(array, np.float32), stream=stream)
+
+    conv = weights[p + "gdn_conv"].dequantize()  # [conv_dim, K]; the kernels take [K, conv_dim]
+    a = np.asarray(weights[p + "gdn_a"].dequantize(), np.float64)  # -exp(A_log)
+    return GdnDeviceLayer(
+        attn_norm=vec(p + "attn_norm"),
+        w_in=fused([p + "gdn_qkv", p + "gdn_z", p + "gdn_beta", p + "gdn_alpha"]),
+        conv=host_vec(conv.T),
+        a_log=host_vec(np.log(-a)),
+        dt_bias=vec(p + "gdn_dt_bias"),
+        norm=vec(p + "gdn_norm"),
+        w_out=single(p + "gdn_out"),
+        ffn_norm=vec(p + "ffn_norm"),
+        w_gate_up=fused([p + "w_gate", p + "w_up"]),
+        w_down=single(p + "w_down"),
+    )
+
+
+def is_gdn(spec, i: int) -> bool:
+    return spec.layer_type(i) == LINEAR_ATTENTION
+
+
+# -- the recurrent state pool ---------------------------------------------------------------------
+
+
+@attrs.define
+class _Held:
+    slot: int
+    num_tokens: int  # tokens the state has seen once the queued steps have run
+
+
+class StatePool:
+    """Per-sequence GDN state in `num_slots` device slots; host bookkeeping of who holds which."""
+
+    def __init__(self, spec, num_slots: int, stream):
+        g, n = spec.gdn, len(spec.gdn_layers)
+        self.spec = spec
+        self.num_slots = num_slots
+        self.spare = num_slots  # an extra slot: the padding rows of graph buckets write there
+        self.conv = _zeros((n, num_slots + 1, g.conv_kernel - 1, g.conv_dim), stream)
+        self.ssm = _zeros((n, num_slots + 1, g.num_v_heads, g.head_k_dim, g.head_v_dim), stream)
+        self.conv_layers = [self.conv[j] for j in range(n)]
+        self.ssm_layers = [self.ssm[j] for j in range(n)]
+        self._held: dict[int, _Held] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() takes slot 0 first
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.conv.nbytes + self.ssm.nbytes)
+
+    def begin(self, rows) -> dict[int, int]:
+        """The slot of each row's sequence for a step over `rows` (taking free slots for rows at
+        position 0); ValueError, with nothing changed, where a row does not continue its state."""
+        slots: dict[int, int] = {}
+        free = list(self._free)
+        for row in rows:
+            if row.seq_id in slots:
+                raise ValueError(f"sequence {row.seq_id} has two rows in one step")
+            held = self._held.get(row.seq_id)
+            if row.start_pos == 0:
+                if held is None and not free:
+                    raise ValueError(
+                        f"no free recurrent-state slot for sequence {row.seq_id}: all {self.num_slots} are held"
+                        " (release finished sequences, or size the runner for more)"
+                    )
+                slots[row.seq_id] = held.slot if held is not None else free.pop()
+            elif held is None or held.num_tokens != row.start_pos:
+                where = "none" if held is None else f"one after {held.num_tokens} tokens"
+                raise ValueError(
+                    f"sequence {row.seq_id} continues at position {row.start_pos}, but its recurrent state is"
+                    f" {where} (hybrid models cannot start mid-sequence: no prefix reuse, pauses replay)"
+                )
+            else:
+                slots[row.seq_id] = held.slot
+        return slots
+
+    def commit(self, rows, slots: dict[int, int]) -> None:
+        """The step over `rows` is queued: each sequence's state will have seen its row."""
+        for row in rows:
+            slot = slots[row.seq_id]
+            if row.seq_id not in self._held:
+                self._free.remove(slot)
+            self._held[row.seq_id] = _Held(slot, row.start_pos + len(row.token_ids))
+
+    def abort(self, rows) -> None:
+        """A step failed part-way: its rows' states are unknown, so they are dropped (a
+        sequence then starts over from position 0)."""
+        for row in rows:
+            self.release(row.seq_id)
+
+    def release(self, seq_id: int) -> None:
+        held = self._held.pop(seq_id, None)
+        if held is not None:
+            self._free.append(held.slot)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._free = list(range(self.num_slots - 1, -1, -1))
+
+    def read(self, seq_id: int, stream) -> gdn_ref.SequenceState | None:
+        """A sequence's state copied to the host (waits for the stream)."""
+        held = self._held.get(seq_id)
+        if held is None:
+            return None
+        stream.synchronize()
+        layers = tuple(
+            gdn_ref.GdnState(c[held.slot].copy_to_host(), s[held.slot].copy_to_host())
+            for c, s in zip(self.conv_layers, self.ssm_layers, strict=True)
+        )
+        return gdn_ref.SequenceState(held.num_tokens, layers)
+
+
+def _zeros(shape, stream):
+    return zeros(shape, np.float32, stream)
+
+
+# -- the forward ------------------------------------------------------------------------------------
+
+
+class HybridBuffers:
+    """The activations only hybrid layers need, and the step's GDN inputs."""
+
+    def __init__(self, spec, limits, bufs):
+        t, g = max(limits.alloc_tokens, limits.max_tokens), spec.gdn
+        in_dim = g.conv_dim + g.value_dim + 2 * g.num_v_heads
+        self.qkv = _dev((t, 2 * spec.q_dim + 2 * spec.kv_dim))  # q with its gate rows, k, v
+        self.gate = _dev((t, spec.q_dim))
+        self.gdn_in = _dev((t, in_dim))
+        self.conv_out = _dev((t, g.conv_dim))
+        self.o = _dev((t, g.value_dim))
+        self.normed = _dev((t, g.value_dim))
+        c, v, nv = g.conv_dim, g.value_dim, g.num_v_heads
+        self.mixed, self.z = self.gdn_in[:, :c], self.gdn_in[:, c : c + v]
+        self.beta, self.alpha = self.gdn_in[:, c + v : c + v + nv], self.gdn_in[:, c + v + nv :]
+        # the step's GDN rows (a step input: StepBuffers.gdn_rows, copied up with the others)
+        self.starts, self.slots, self.fresh = bufs.gdn_rows[0], bufs.gdn_rows[1], bufs.gdn_rows[2]
+
+
+def _dev(shape):
+    return cuda.to_device(np.zeros(shape, np.float32)) if SIMULATOR else cuda.device_array(shape, np.float32)
+
+
+@attrs.frozen
+class GdnStep:
+    """The GDN side of one sub-step (host values; the arrays are copied up before it runs)."""
+
+    rows: np.ndarray  # int32 [3, pieces + 1]: token starts, slots, fresh flags
+    num_seqs: int
+    max_tokens: int
+    decode: bool  # one token a row, each continuing a state: the decode kernels
+
+
+def gdn_step(rows, batch, slots: dict[int, int]) -> GdnStep:
+    """Each piece's slot, whether it starts its sequence, and its tokens' offsets."""
+    n = len(batch)
+    table = np.zeros((3, n + 1), np.int32)
+    counts = np.array([p.count for p in batch], np.int64)
+    table[0, 1:] = np.cumsum(counts)
+    for i, p in enumerate(batch):
+        row = rows[p.row]
+        table[1, i] = slots[row.seq_id]
+        table[2, i] = int(row.start_pos + p.offset == 0)
+    decode = bool((counts == 1).all() and not table[2, :n].any())
+    return GdnStep(table, n, int(counts.max()), decode)
+
+
+class HybridForward(Forward):
+    """`Forward` over a hybrid's mixed layers (float32 activations)."""
+
+    def __init__(self, spec, model, bufs, k_pool, v_pool, cos, sin, *, pool: StatePool, hbufs: HybridBuffers,
+                 split_len: int, sampler_threads: int, plan, **_):  # fmt: skip
+        self.spec, self.model, self.bufs = spec, model, bufs
+        self.k_pool, self.v_pool, self.cos, self.sin = k_pool, v_pool, cos, sin
+        self.plan, self.split_len, self.sampler_threads = plan, split_len, sampler_threads
+        self.q8 = self.head_q8 = False
+        self.folds = self.can_epilogue = self.epilogues = frozenset()
+        self.num_ids = spec.num_sampled_ids
+        self.pool, self.hb = pool, hbufs
+        self._kv_words = None
+        if flash.supports(spec.head_dim, k_pool.dtype):
+            self._kv_words = [(flash.words(k_pool[a]), flash.words(v_pool[a])) for a in range(k_pool.shape[0])]
+        self._kv_index = {layer: a for a, layer in enumerate(spec.attention_layers)}
+        self._gdn_index = {layer: j for j, layer in enumerate(spec.gdn_layers)}
+        self._gdn_step: GdnStep | None = None
+
+    def stage(self, step: GdnStep, pad_rows: int | None = None) -> None:
+        """Fill the selected host mirror's GDN rows for the next sub-step (`upload` copies them
+        up); a graph bucket's padding rows (one token each) write to the spare slot."""
+        h, n = self.bufs.h_gdn_rows, step.num_seqs
+        total = pad_rows or n
+        h[:, : n + 1] = step.rows
+        h[0, n + 1 : total + 1] = step.rows[0, n] + np.arange(1, total - n + 1)
+        h[1, n:total], h[2, n:total] = self.pool.spare, 0
+        self._gdn_step = step
+
+    def launch(self, step: StepPlan, stream, after_layer=None) -> None:
+        b, t = self.bufs, step.num_tokens
+        embed.embed(self.model.embed, b.out if step.feed else b.tokens, b.x, t, stream)
+        for i, layer in enumerate(self.model.layers):
+            self._norm(layer.attn_norm, t, "f32", stream)  # -> b.h
+            if i in self._gdn_index:  # token mixer: Gated DeltaNet over the recurrent state ...
+                self._gdn(self._gdn_index[i], layer, t, stream)
+            else:  # ... or gated attention over the KV pages
+                self._gated_attention(self._kv_index[i], layer, step, stream)
+            # feed-forward block: SwiGLU
+            self._norm(layer.ffn_norm, t, "f32", stream)
+            self._linear(layer.w_gate_up, t, "f32", b.gate_up, None, stream)
+            swiglu.swiglu(b.gate_up, b.h, b.xs, t, "f32", stream)
+            self._linear((layer.w_down,), t, "f32", b.x, b.x, stream)
+            if after_layer is not None:
+                after_layer(i)
+        self._head(step, stream)
+
+    def _gdn(self, j, layer: GdnDeviceLayer, t, stream):
+        hb, g, s = self.hb, self._gdn_step, self.spec
+        self._linear_from(self.bufs.h, layer.w_in, t, hb.gdn_in, None, stream)
+        conv, ssm = self.pool.conv_layers[j], self.pool.ssm_layers[j]
+        if g.decode:  # one token a row: row i is token i
+            gdn.conv_decode(hb.mixed, layer.conv, hb.slots, conv, hb.conv_out, t, stream)
+            gdn.gdn_decode(hb.conv_out, hb.alpha, hb.beta, layer.a_log, layer.dt_bias, hb.slots, ssm, hb.o, t,
+                           stream=stream)  # fmt: skip
+        else:
+            gdn.conv_prefill(hb.mixed, layer.conv, hb.starts, hb.slots, hb.fresh, conv, hb.conv_out, g.num_seqs,
+                             g.max_tokens, stream)  # fmt: skip
+            gdn.gdn_prefill(hb.conv_out, hb.alpha, hb.beta, layer.a_log, layer.dt_bias, hb.starts, hb.slots, hb.fresh,
+                            ssm, hb.o, g.num_seqs, stream=stream)  # fmt: skip
+        gdn.gated_rmsnorm(hb.o, hb.z, layer.norm, s.rms_eps, hb.normed, t, stream)
+        self._linear_from(hb.normed, (layer.w_out,), t, self.bufs.x, self.bufs.x, stream)
+
+    def _gated_attention(self, a, layer, step: StepPlan, stream):
+        b, hb, s = self.bufs, self.hb, self.spec
+        t = step.num_tokens
+        self._linear_from(b.h, layer.wqkv, t, hb.qkv, None, stream)
+        has_norm = layer.q_norm is not None
+        q_norm = layer.q_norm if has_norm else b.dummy_f1
+        k_norm = layer.k_norm if has_norm else b.dummy_f1
+        gated_attn.gated_qkv_post(s, hb.qkv, q_norm, k_norm, self.cos, self.sin, b.tok_pos, b.tok_page, b.tok_slot, b.q,
+                                  hb.gate, self.k_pool[a], self.v_pool[a], t, has_norm, stream)  # fmt: skip
+        self._attention(a, step, "f32", stream)  # -> b.h
+        gated_attn.sigmoid_gate(b.h, hb.gate, s.q_dim, t, stream)
+        self._linear((layer.wo,), t, "f32", b.x, b.x, stream)
+
+    def _linear_from(self, x, parts, num_m, out, res, stream):
+        """out[:num_m] = x[:num_m] @ w.T (+ res) over float32 x, column blocks per part."""
+        col = 0
+        for w in parts:
+            dst = out if len(parts) == 1 else out[:, col : col + w.rows]
+            col += w.rows
+            if num_m <= gemv.MAX_M:
+                gemv.gemv(w, x, self.bufs.dummy_f32, dst, res, num_m, "f32", stream, plan=self.plan)
+            else:
+                gemm.gemm(w, x, dst, res, num_m, stream)
+
+
+def warm_up_hybrid(runner, *, max_rows: int, max_context: int | None = None, progress: bool = False) -> int:
+    """Compile the kernels a hybrid's steps take and capture decode graphs: one prefill per
+    token bucket (one row from position 0), then for each row bucket (as many rows as there
+    are state slots at most) a one-token first step and a decode step (its graph at the
+    shortest context bucket; longer ones are captured on first use). Runs real sequences, as
+    the recurrent state requires, with ids from -1 down, and releases them; writes K/V into
+    the first pages (call before any request). Returns the steps run."""
+    top_rows = bucket(min(max_rows, runner.limits.max_rows), runner.limits.max_rows)
+    room = min(runner.num_pages * runner.page_size, max_context or runner.max_context, runner.max_context)
+    top_tokens = min(runner.limits.max_tokens, room)
+    token_buckets = sorted({min(token_bucket(n), top_tokens) for n in range(2, top_tokens + 1)})
+    top_rows = min(top_rows, runner._states.num_slots)  # every row of a step holds a slot
+    row_buckets = [1 << i for i in range(top_rows.bit_length())]
+    steps = 0
+    for n in token_buckets:
+        _warm_step(runner, warm_rows(1, [n], 0, runner.page_size))
+        steps += 1
+    for r in row_buckets:
+        _warm_step(runner, warm_rows(r, [1] * r, 0, runner.page_size), keep=True)
+        _warm_step(runner, warm_rows(r, [1] * r, 1, runner.page_size))
+        steps += 2
+    runner._last = None
+    runner.stream.synchronize()
+    return steps
+
+
+def _warm_step(runner, rows, keep: bool = False) -> None:
+    rows = [attrs.evolve(row, seq_id=-1 - row.seq_id) for row in rows]  # ids no request takes
+    runner.collect(runner.submit(rows))
+    if not keep:
+        for row in rows:
+            runner.release_sequence(row.seq_id)
