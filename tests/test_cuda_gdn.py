@@ -9,15 +9,15 @@ same checks run at a Qwen3.5 shape, timed, on a GPU in tests/cuda/test_kernels_g
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import child_jobs
 
 torch = pytest.importorskip("torch")
 qwen = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
@@ -181,15 +181,13 @@ def test_reference_chunks_equal_token_by_token():
     close(chunked_conv, stepped_conv, 0.0)
 
 
+JOB = child_jobs.register("gdn_checks", [sys.executable, str(CHECKS), "tiny", *GDN_CHECKS],
+                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=600, module=__name__)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def sim_results() -> dict[str, str]:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run([sys.executable, str(CHECKS), "tiny", *GDN_CHECKS], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        pytest.fail(f"the simulator child printed no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return child_jobs.json_results(JOB)
 
 
 def test_every_gdn_kernel_has_a_simulator_check():

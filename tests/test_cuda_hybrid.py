@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -32,6 +31,8 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+
+import child_jobs
 
 CHECKS = ("decode", "slots", "padded_vocab", "warm_up")
 
@@ -209,15 +210,13 @@ def run_checks(scale: str, names) -> dict[str, str]:
 # -- pytest --------------------------------------------------------------------------------------
 
 
+JOB = child_jobs.register("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS],
+                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=900, module=__name__)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def sim_results() -> dict[str, str]:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS], env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        pytest.fail(f"the simulator child printed no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return child_jobs.json_results(JOB)
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -10,30 +10,28 @@ tests/cuda/test_kernels_gpu.py.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import child_jobs
 
 CHECKS = Path(__file__).resolve().parent / "cuda" / "kernel_checks.py"
 # every check_* of the harness (read, not imported: numba must not load here in simulator mode)
 CHECK_NAMES = sorted(re.findall(r"^def check_(\w+)\(", CHECKS.read_text(), re.M))
 
 
+# runs in the background while the rest of the suite does (child_jobs.py)
+JOB = child_jobs.register("kernel_checks", [sys.executable, str(CHECKS), "tiny", *CHECK_NAMES],
+                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=1800, module=__name__)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def sim_results() -> dict[str, str]:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    proc = subprocess.run(
-        [sys.executable, str(CHECKS), "tiny", *CHECK_NAMES], env=env, capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if not lines:
-        pytest.fail(f"the simulator child printed no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1])
+    return child_jobs.json_results(JOB)
 
 
 @pytest.mark.parametrize("name", CHECK_NAMES)

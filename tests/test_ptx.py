@@ -11,11 +11,12 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import child_jobs
 
 pytestmark = pytest.mark.ptx
 
@@ -26,21 +27,24 @@ QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", 
 FLOAT = ("F32", "F16", "BF16")
 
 
+# one child per target, in the background while the rest of the suite runs (child_jobs.py)
+JOBS = {
+    cc: child_jobs.register(f"ptx_{cc}", [sys.executable, str(HERE / "cuda" / "ptx.py"), cc],
+                            {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}, timeout_s=1200,
+                            module=__name__)  # fmt: skip
+    for cc in TARGETS
+}
+
+
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    procs = {
-        cc: subprocess.Popen([sys.executable, str(HERE / "cuda" / "ptx.py"), cc], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-        for cc in TARGETS
-    }
     out = {}
-    for cc, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=1200)
-        start = stdout.find("{")
+    for cc, job in JOBS.items():
+        job.wait()
+        start = job.stdout.find("{")
         if start < 0:
-            pytest.fail(f"PTX child for {cc} printed no report (exit {proc.returncode}):\n{stderr[-4000:]}")
-        out[cc] = json.loads(stdout[start:])
+            pytest.fail(f"PTX child for {cc} printed no report (exit {job.returncode}):\n{job.stderr[-4000:]}")
+        out[cc] = json.loads(job.stdout[start:])
     return out
 
 

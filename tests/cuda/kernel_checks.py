@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import time
 import traceback
 
 import numpy as np
@@ -1123,11 +1124,13 @@ CHECKS = {
 def run(names, scale: str, seed: int = 0) -> dict[str, str]:
     results = {}
     for name in names:
+        start = time.perf_counter()
         try:
             CHECKS[name](scale, np.random.default_rng([seed, len(name)]))
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc(limit=6)
+        print(f"check {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return results
 
 

@@ -22,13 +22,3 @@ def cuda_available() -> bool:
     except Exception:  # no driver library, no bindings, broken install: all mean "no GPU"
         return False
 
-
-def resolve_backend(name: str) -> str:
-    """Map `--backend auto|cuda|reference` to `cuda` or `reference` (ValueError on a typo)."""
-    if name == "auto":
-        return "cuda" if cuda_available() else "reference"
-    if name not in ("cuda", "reference"):
-        raise ValueError(f"unknown backend {name!r}: choose auto, cuda or reference")
-    if name == "cuda" and not cuda_available():
-        raise ValueError("the cuda backend was asked for, but no CUDA GPU is available here")
-    return name

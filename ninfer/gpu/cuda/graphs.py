@@ -5,11 +5,15 @@ stream as usual, and the captured graph is instantiated once; a replay (`cuGraph
 costs about a microsecond per kernel instead of ~25 us of Python launch overhead. Everything
 captured must read static buffers only (the step's inputs are copied in before the replay).
 Before instantiation, edges into PDL-aware kernels become programmatic (`programmatic_edges`,
-pdl.py): the next kernel launches while the one before still runs.
+pdl.py): the next kernel launches while the one before still runs. A graph that differs from
+one already captured only in the host buffers its copies read and write (the runner's host
+mirror sets) is cloned from it (`twin`) instead of captured again: a capture costs the
+Python launch sequence, a clone a few driver calls.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 from cuda.bindings import driver
@@ -63,11 +67,37 @@ class GraphCache:
         exe = check(driver.cuGraphInstantiate(graph, 0))
         self._graphs[key] = (graph, exe)
 
+    def twin(self, key, new_key, remap: Callable[[int], int | None]) -> int:
+        """Instantiate a clone of graph `key` as `new_key`, its copy nodes' addresses moved by
+        `remap` (an address -> the new one, None: keep); returns how many nodes moved."""
+        graph, _ = self._graphs[key]
+        clone = check(driver.cuGraphClone(graph))
+        moved = 0
+        for node in _nodes(graph):
+            if check(driver.cuGraphNodeGetType(node)) != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMCPY:
+                continue
+            params = check(driver.cuGraphMemcpyNodeGetParams(node))
+            if _move_addresses(params, remap):
+                check(driver.cuGraphMemcpyNodeSetParams(check(driver.cuGraphNodeFindInClone(node, clone)), params))
+                moved += 1
+        exe = check(driver.cuGraphInstantiate(clone, 0))
+        self._graphs[new_key] = (clone, exe)
+        self.programmatic[new_key] = self.programmatic[key]
+        return moved
+
     def replay(self, key) -> None:
         check(driver.cuGraphLaunch(self._graphs[key][1], stream_handle(self._stream)))
 
     def num_nodes(self, key) -> int:
         return int(check(driver.cuGraphGetNodes(self._graphs[key][0], 0))[1])
+
+    def discard(self, key) -> None:
+        """Forget graph `key`, if there is one."""
+        entry = self._graphs.pop(key, None)
+        self.programmatic.pop(key, None)
+        if entry is not None:
+            driver.cuGraphExecDestroy(entry[1])
+            driver.cuGraphDestroy(entry[0])
 
     def close(self) -> None:
         for graph, exe in self._graphs.values():
@@ -75,6 +105,43 @@ class GraphCache:
             driver.cuGraphDestroy(graph)
         self._graphs.clear()
         self.programmatic.clear()
+
+
+def _nodes(graph) -> list:
+    n = check(driver.cuGraphGetNodes(graph, 0))[1]
+    nodes, n = check(driver.cuGraphGetNodes(graph, n))
+    return list(nodes[:n])
+
+
+_ADDRESS_FIELDS = ("srcHost", "srcDevice", "dstHost", "dstDevice")
+
+
+def _move_addresses(params, remap: Callable[[int], int | None]) -> bool:
+    """Rewrite the source and destination addresses of a memcpy node's parameters through
+    `remap` (whichever field the capture filled: host, or device for unified addresses)."""
+    moved = False
+    for field in _ADDRESS_FIELDS:
+        new = remap(int(getattr(params, field)))
+        if new is not None:
+            setattr(params, field, new)
+            moved = True
+    return moved
+
+
+def address_remap(spans) -> Callable[[int], int | None]:
+    """`spans`: (start, nbytes, new start) of buffers that move; the function maps an address
+    inside one of them to the same offset in its new place, and any other address to None."""
+    spans = sorted(spans)
+    starts = [s for s, _, _ in spans]
+
+    def remap(address: int) -> int | None:
+        i = bisect.bisect_right(starts, address) - 1
+        if i < 0:
+            return None
+        start, nbytes, new = spans[i]
+        return new + (address - start) if address < start + nbytes else None
+
+    return remap
 
 
 def _edges_api():

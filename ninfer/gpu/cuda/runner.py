@@ -35,6 +35,7 @@ from ninfer.gpu.cuda import pages, positions
 from ninfer.gpu.cuda.buffers import MIRRORS, Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
+from ninfer.gpu.cuda.kernels import jit
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.plan import KernelPlan
 from ninfer.gpu.cuda.staging import (
@@ -379,15 +380,7 @@ class CudaRunner:
         elif key in self._graphs:
             self._graphs.replay(key)
         else:
-            # first use of this bucket: compile and run eagerly, then record it for next time
-            # (the copies' sizes are the bucket's, so the graph's copy nodes fit every step of it),
-            # for every mirror set at once: a capture runs nothing, but costs ~0.1 s on an 8B model,
-            # which must not land in a later step (each mirror's graph reads its own host arrays)
-            launch()
-            for mm in range(MIRRORS):
-                self.bufs.use_mirror(mm)
-                self._graphs.capture((*key[:-2], mm, feed), launch)
-            self.bufs.use_mirror(m)
+            self._record(key, launch, m)
         if not copies:
             download(self.bufs, staged, self.stream)
         extras = queue_extras(self.bufs, rows, batch, staged, self.stream)
@@ -396,6 +389,34 @@ class CudaRunner:
         self._events[m].record(self.stream)
         self._owners[m] = sub
         return sub
+
+    def _record(self, key, launch, m: int) -> None:
+        """First use of a bucket: capture its graph (the copies' sizes are the bucket's, so the
+        graph's copy nodes fit every step of it) and replay it for this step. A capture that
+        failed or loaded a kernel module (a kernel's first launch in this process) is redone
+        after an eager run of the step. The other mirror sets' graphs are clones whose copies
+        read and write their own host arrays, made now: a capture costs ~0.1 s on an 8B model,
+        which must not land in a later step."""
+        bound = jit.overloads_bound()
+        try:
+            self._graphs.capture(key, launch)
+            clean = jit.overloads_bound() == bound
+        except Exception:  # e.g. a module load the capture did not allow: eagerly, below
+            clean = False
+        if clean:
+            self._graphs.replay(key)
+        else:
+            self._graphs.discard(key)
+            launch()
+            self._graphs.capture(key, launch)
+        from ninfer.gpu.cuda.graphs import address_remap
+
+        mirrors = self.bufs.mirrors
+        for mm in range(MIRRORS):
+            if mm != m:
+                spans = [(getattr(mirrors[m], f).ctypes.data, getattr(mirrors[m], f).nbytes,
+                          getattr(mirrors[mm], f).ctypes.data) for f in mirrors[m].fields]  # fmt: skip
+                self._graphs.twin(key, (*key[:-2], mm, key[-1]), address_remap(spans))
 
     def _fetch(self, sub: _Sub) -> list[SampledToken | None]:
         """A sub-step's results, waiting for it (not for later sub-steps) the first time."""

@@ -113,6 +113,7 @@ class KernelStore:
 
 
 _store: KernelStore | None = None
+_bound = 0  # overloads compiled or loaded in this process (each is a module load at its first launch)
 
 
 def use_disk_cache(root: Path | None, compute_capability: tuple[int, int] | None = None) -> KernelStore | None:
@@ -136,6 +137,12 @@ def current_store() -> KernelStore | None:
     return _store
 
 
+def overloads_bound() -> int:
+    """How many kernel overloads this process has compiled or loaded so far: a launch sequence
+    that moved it loaded a module (the CUDA runner redoes a graph capture that did)."""
+    return _bound
+
+
 class _DiskOverloads:
     """What a dispatcher's `_cache` slot needs (numba's NullCache interface), over the store
     that is current at each compile."""
@@ -151,6 +158,8 @@ class _DiskOverloads:
         return entry_key(self.factory, self.args, self.kwargs, tuple(sig), self.options)
 
     def load_overload(self, sig, target_context):
+        global _bound
+        _bound += 1  # numba asks here before each compile of a new overload, store or not
         if _store is None:
             return None
         payload = _store.load(self._key(sig))
