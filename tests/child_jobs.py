@@ -3,9 +3,9 @@ background, one at a time, from the end of collection: the pytest process is one
 on a 2-core machine they take the other core while the rest of the suite runs. The tests that
 read their results run last (conftest.py moves them), so by then the results are in.
 
-A test module registers its jobs at import (`register`) and its fixtures `wait` for them; a
-job that was not started in the background (its module was not collected whole, say) runs in
-the foreground at its first `wait`.
+A test module registers its jobs at import (`register`, naming the fixture that waits for
+them); only jobs that a selected test waits for start. A job not started in the background
+runs in the foreground at its first `wait`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ class ChildJob:
     argv: list[str]
     env: dict[str, str]
     timeout_s: float
-    module: str  # the registering test module's __name__
+    module: str  # the registering test module's __name__ ...
+    fixture: str  # ... and the fixture of it that waits for the job
     returncode: int | None = None
     stdout: str = ""
     stderr: str = ""
@@ -61,23 +62,24 @@ class ChildJob:
 _jobs: dict[str, ChildJob] = {}
 
 
-def register(name: str, argv: list[str], env: dict[str, str], timeout_s: float, module: str) -> ChildJob:
+def register(name: str, argv: list[str], env: dict[str, str], timeout_s: float, module: str, fixture: str) -> ChildJob:
     """The job `name` (registered once per session; a second call returns the first)."""
     if name not in _jobs:
-        _jobs[name] = ChildJob(name, list(argv), dict(env), timeout_s, module)
+        _jobs[name] = ChildJob(name, list(argv), dict(env), timeout_s, module, fixture)
     return _jobs[name]
 
 
-def registered() -> list[ChildJob]:
-    return list(_jobs.values())
+def needed_by(item) -> list[ChildJob]:
+    """The jobs a collected test waits for (through its module's job fixture)."""
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    names = getattr(item, "fixturenames", ())
+    return [job for job in _jobs.values() if job.module == module and job.fixture in names]
 
 
-def start_background(modules: set[str]) -> list[ChildJob]:
-    """Run the jobs registered by `modules`, one after another, in a daemon thread."""
-    jobs = [job for job in _jobs.values() if job.module in modules]
+def start_background(jobs: list[ChildJob]) -> None:
+    """Run `jobs`, one after another, in a daemon thread."""
     if jobs:
         threading.Thread(target=lambda: [job.run() for job in jobs], name="child-jobs", daemon=True).start()
-    return jobs
 
 
 def json_results(job: ChildJob) -> dict[str, str]:

@@ -23,13 +23,13 @@ def pytest_collection_modifyitems(session, config, items):
     jobs start now: on 2 cores they run beside the rest of the suite instead of after it."""
     import child_jobs
 
-    owners = {job.module for job in child_jobs.registered()}
-    modules = {getattr(getattr(item, "module", None), "__name__", None) for item in items} & owners
-    if not modules or config.option.collectonly:
+    if config.option.collectonly:
         return
-    waits = [getattr(getattr(item, "module", None), "__name__", None) in modules for item in items]
-    items[:] = [item for item, w in zip(items, waits) if not w] + [item for item, w in zip(items, waits) if w]
-    child_jobs.start_background(modules)
+    needs = [child_jobs.needed_by(item) for item in items]
+    jobs = list({id(job): job for jobs in needs for job in jobs}.values())
+    if jobs:
+        items[:] = [item for item, n in zip(items, needs) if not n] + [item for item, n in zip(items, needs) if n]
+        child_jobs.start_background(jobs)
 
 
 @pytest.fixture(scope="session")

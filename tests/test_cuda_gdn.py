@@ -182,7 +182,8 @@ def test_reference_chunks_equal_token_by_token():
 
 
 JOB = child_jobs.register("gdn_checks", [sys.executable, str(CHECKS), "tiny", *GDN_CHECKS],
-                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=600, module=__name__)  # fmt: skip
+                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=600, module=__name__,
+                          fixture="sim_results")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

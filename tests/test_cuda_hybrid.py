@@ -211,7 +211,8 @@ def run_checks(scale: str, names) -> dict[str, str]:
 
 
 JOB = child_jobs.register("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS],
-                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=900, module=__name__)  # fmt: skip
+                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=900, module=__name__,
+                          fixture="sim_results")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ CHECK_NAMES = sorted(re.findall(r"^def check_(\w+)\(", CHECKS.read_text(), re.M)
 
 # runs in the background while the rest of the suite does (child_jobs.py)
 JOB = child_jobs.register("kernel_checks", [sys.executable, str(CHECKS), "tiny", *CHECK_NAMES],
-                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=1800, module=__name__)  # fmt: skip
+                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=1800, module=__name__,
+                          fixture="sim_results")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
