@@ -9,6 +9,8 @@
 #           `ninfer bench serve` at 1,4,16,64 streams, 256 tokens each, two passes (cold, steady)
 #   restart `ninfer serve` again on the kernel cache the serve stage filled (the warm restart's ready
 #           time goes to ready.txt beside the cold one), one pass
+#   ready   start-up only: `ninfer serve` of this tree and of the base tree, each started READY_STARTS
+#           times (default 2: the first fills the tree's kernel cache), ready times to ready.txt
 #   base    the same against the tree in .stage/base.tar.gz (an earlier commit; BASE_FLAGS)
 #   prefix  the shared-prefix load: a ~2,000-token system prompt, ~150 new tokens, 64 out
 #   baseprefix  the same against the tree in .stage/base.tar.gz
@@ -84,6 +86,12 @@ if has restart; then
 fi
 if has base; then
   serve_and_bench base /tmp/base "${BASE_FLAGS:---activations q8}" --concurrency $STREAMS --output-tokens 256 --passes 2 --no-ignore-eos
+fi
+if has ready; then  # start-up alone, both trees (their kernel caches differ: the code version is in the key)
+  for tree in "$ROOT" /tmp/base; do
+    label=$([ "$tree" = /tmp/base ] && echo base || echo new)
+    for i in $(seq ${READY_STARTS:-2}); do start_server "ready_${label}_$i" "$tree" "${SERVE_FLAGS:-}"; stop_server; done
+  done
 fi
 if has prefix; then
   serve_and_bench prefix "$ROOT" "${SERVE_FLAGS:-}" --concurrency ${PREFIX_STREAMS:-16,64} --shared-prefix-tokens 2000 \
