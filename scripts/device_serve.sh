@@ -73,6 +73,7 @@ serve_and_bench() {
   PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_SERVE_S:-240} python3 -m ninfer.cli.main bench serve \
     --url http://127.0.0.1:$PORT --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
     | sed "s/^/$label /" | tee -a "$OUT/served.txt"
+  curl -s localhost:$PORT/admin/stats > "$OUT/stats_$label.json"; curl -s localhost:$PORT/metrics > "$OUT/metrics_$label.txt"
   stop_server
 }
 
