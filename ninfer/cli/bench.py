@@ -212,13 +212,15 @@ def _measured_copy_bandwidth(backend: str) -> float | None:
 
 
 def _add_floor(results: dict, spec, runner) -> None:
-    """Bytes per decode step: the weights once, plus each stream's K and V so far, over the
-    step's time (achieved GB/s) and, when the copy bandwidth was measured (results["copy_gb_s"],
-    CUDA), over that bandwidth (the floor)."""
+    """Bytes per decode step: the weights once, plus each stream's K and V so far and, for
+    hybrids, its recurrent state read and written back (float32), over the step's time
+    (achieved GB/s) and, when the copy bandwidth was measured (results["copy_gb_s"], CUDA),
+    over that bandwidth (the floor)."""
     kv_item = getattr(runner, "kv_dtype", np.dtype(np.float32)).itemsize
     weights = results["weight_bytes"]
+    state = 2 * len(spec.gdn_layers) * spec.gdn.state_nbytes(4) if spec.is_hybrid else 0
     for d in results["decode"]:
-        kv = d["streams"] * spec.kv_bytes_per_token(kv_item) * (d["context"] - d["tokens"] / 2)
+        kv = d["streams"] * (spec.kv_bytes_per_token(kv_item) * (d["context"] - d["tokens"] / 2) + state)
         step_s = d["seconds"] / d["tokens"]
         d["achieved_gb_s"] = (weights + kv) / step_s / 1e9
         if results["copy_gb_s"] is None:

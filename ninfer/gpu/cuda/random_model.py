@@ -39,6 +39,13 @@ HYBRID_SHAPES = {
                         head_dim=256, rope_dim=64, vocab_size=151936, max_context=4096, rope_theta=10000000.0,
                         has_qk_norm=True, has_attn_gate=True, tie_embeddings=True,
                         gdn=dict(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, conv_kernel=4)),
+    # a Qwen3.5-27B-sized dense hybrid (64 layers, 48 GDN + 16 gated attention; 5120 wide,
+    # 17408 FFN, 24 x 256 query heads over 4 KV heads, 48 x 128 x 128 GDN value states, an
+    # untied 248,320-row head): the single-GPU benchmark shape
+    "qwen35-27b": dict(arch="qwen35", num_layers=64, d_model=5120, d_ffn=17408, num_heads=24, num_kv_heads=4,
+                       head_dim=256, rope_dim=64, vocab_size=248320, max_context=8192, rope_theta=10000000.0,
+                       rms_eps=1e-6, has_qk_norm=True, has_attn_gate=True, tie_embeddings=False,
+                       gdn=dict(num_k_heads=16, num_v_heads=48, head_k_dim=128, head_v_dim=128, conv_kernel=4)),
 }  # fmt: skip
 
 
