@@ -21,6 +21,7 @@
 #   warmprof  tools/warmup_profile.py twice (cold, then warm kernel cache): cProfile of the warm-up
 #           (WARM_MODEL: default the staged GGUF; "--random smollm2-135m" needs no model file)
 #   tests   the GPU tests (TESTS: pytest arguments)
+#   hybench `ninfer bench --random qwen35-27b` (HY_SHAPE, HY_QTYPE, HY_STREAMS, HY_PROMPTS): the hybrid at scale
 #   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
 #           staged GGUF; `--random smollm2-135m` needs no model file)
 # Logs and JSON go under $OUT.
@@ -144,6 +145,12 @@ fi
 if has tests; then
   PYTHONPATH=/tmp/site:$ROOT timeout ${TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -s ${TESTS:-tests/test_gpu_quality.py} 2>&1 \
     | tail -n 60 | tee "$OUT/tests.txt"
+fi
+if has hybench; then  # the Qwen3.5-27B-sized random hybrid (#31): decode against the floor, prefill 512 / 4096
+  (cd "$ROOT" && PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_S:-400} python3 -m ninfer.cli.main bench \
+     --random ${HY_SHAPE:-qwen35-27b} --random-qtype ${HY_QTYPE:-Q4_K} --streams ${HY_STREAMS:-1,4,16} \
+     --prompt-lens ${HY_PROMPTS:-512,4096} --decode-tokens ${HY_DECODE:-64} --repeats 2 --json "$OUT/hybench.json" 2>&1 \
+     | tail -n 14) | tee -a "$OUT/hybench.txt"
 fi
 if has bench; then
   for tree in /tmp/base "$ROOT"; do
