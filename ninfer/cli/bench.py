@@ -97,7 +97,8 @@ def _model(args):
         from ninfer.gpu.cuda.random_model import random_model, random_spec
 
         spec = random_spec(args.random)
-        return random_model(spec, args.random_qtype), f"random {args.random} {args.random_qtype}"
+        # a speed benchmark: layers share each matrix's host copy (drawn once; uploaded apart)
+        return random_model(spec, args.random_qtype, reuse_matrices=True), f"random {args.random} {args.random_qtype}"
     from ninfer.runtime import load
 
     model = load(args.model)

@@ -59,12 +59,21 @@ def random_spec(shape: str, **overrides) -> ModelSpec:
     return ModelSpec(**{**SHAPES[shape], **overrides})
 
 
-def random_model(spec: ModelSpec, qtype: str = "Q4_1", *, embed_qtype: str = "Q8_0", seed: int = 0):
-    """(spec, ModelWeights) with every matrix of `qtype` (embedding / head `embed_qtype`)."""
+def random_model(spec: ModelSpec, qtype: str = "Q4_1", *, embed_qtype: str = "Q8_0", seed: int = 0,
+                 reuse_matrices: bool = False):
+    """(spec, ModelWeights) with every matrix of `qtype` (embedding / head `embed_qtype`).
+    `reuse_matrices`: layers share the host copy of each matrix shape (drawn once), for speed
+    benchmarks of large shapes (a 27B model's draw takes minutes); each is still uploaded apart."""
     rng = np.random.default_rng(seed)
+    drawn: dict = {}
 
     def mat(rows, cols, qt=qtype, gain=1.0):
-        return random_stored(qt, rows, cols, rng, scale=gain / np.sqrt(cols))
+        if not reuse_matrices:
+            return random_stored(qt, rows, cols, rng, scale=gain / np.sqrt(cols))
+        key = (rows, cols, qt, gain)
+        if key not in drawn:
+            drawn[key] = random_stored(qt, rows, cols, rng, scale=gain / np.sqrt(cols))
+        return drawn[key]
 
     def vec(n, mean=1.0, spread=0.1):
         return StoredTensor("F32", (n,), (mean + spread * rng.standard_normal(n)).astype(np.float32))
