@@ -69,6 +69,14 @@ def register(name: str, argv: list[str], env: dict[str, str], timeout_s: float, 
     return _jobs[name]
 
 
+def simulator_job(name: str, argv: list[str], timeout_s: float, module: str) -> ChildJob:
+    """A check harness run under numba's CUDA simulator, waited for by the module's
+    `sim_results` fixture (`json_results`)."""
+    import os
+
+    return register(name, argv, dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s, module, "sim_results")
+
+
 def needed_by(item) -> list[ChildJob]:
     """The jobs a collected test waits for (through its module's job fixture)."""
     module = getattr(getattr(item, "module", None), "__name__", None)

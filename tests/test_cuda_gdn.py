@@ -9,7 +9,6 @@ same checks run at a Qwen3.5 shape, timed, on a GPU in tests/cuda/test_kernels_g
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import sys
 from pathlib import Path
@@ -181,9 +180,7 @@ def test_reference_chunks_equal_token_by_token():
     close(chunked_conv, stepped_conv, 0.0)
 
 
-JOB = child_jobs.register("gdn_checks", [sys.executable, str(CHECKS), "tiny", *GDN_CHECKS],
-                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=600, module=__name__,
-                          fixture="sim_results")  # fmt: skip
+JOB = child_jobs.simulator_job("gdn_checks", [sys.executable, str(CHECKS), "tiny", *GDN_CHECKS], 600, __name__)
 
 
 @pytest.fixture(scope="module")

@@ -210,9 +210,8 @@ def run_checks(scale: str, names) -> dict[str, str]:
 # -- pytest --------------------------------------------------------------------------------------
 
 
-JOB = child_jobs.register("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS],
-                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=900, module=__name__,
-                          fixture="sim_results")  # fmt: skip
+JOB = child_jobs.simulator_job("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS], 900,
+                               __name__)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ tests/cuda/test_kernels_gpu.py.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -25,9 +24,7 @@ CHECK_NAMES = sorted(re.findall(r"^def check_(\w+)\(", CHECKS.read_text(), re.M)
 
 
 # runs in the background while the rest of the suite does (child_jobs.py)
-JOB = child_jobs.register("kernel_checks", [sys.executable, str(CHECKS), "tiny", *CHECK_NAMES],
-                          dict(os.environ, NUMBA_ENABLE_CUDASIM="1"), timeout_s=1800, module=__name__,
-                          fixture="sim_results")  # fmt: skip
+JOB = child_jobs.simulator_job("kernel_checks", [sys.executable, str(CHECKS), "tiny", *CHECK_NAMES], 1800, __name__)
 
 
 @pytest.fixture(scope="module")
