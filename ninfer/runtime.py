@@ -95,22 +95,32 @@ def config_for_model(model: LoadedModel, config: EngineConfig) -> EngineConfig:
     return config.for_model(model.spec.max_context, cap=DEFAULT_CONTEXT_CAP)
 
 
+def state_nbytes_for(model: LoadedModel, config: EngineConfig, backend: str) -> int:
+    """Device memory of the recurrent states a runner for `config` holds (hybrid models; 0
+    otherwise): one float32 state per lane (the engine checks the runner holds that many), and
+    on CUDA one spare slot (graph padding rows write there)."""
+    lanes = config.max_concurrency + (1 if backend == "cuda" else 0)
+    return lanes * model.spec.recurrent_state_nbytes(4)
+
+
 def num_pages_for(model: LoadedModel, config: EngineConfig, backend: str, *, reserve_bytes: int = 0) -> int:
     """KV pool size in pages for a resolved `config` (its kv_capacity, else auto); auto leaves
     `reserve_bytes` of the device's memory free (ConfigError, with the numbers, when one full
-    context cannot fit then)."""
+    context cannot fit then). Auto sizing takes every lane's recurrent state (hybrid models,
+    `state_nbytes_for`) out of the same memory as the pages."""
     page = config.page_size
     if config.kv_capacity is not None:
         return -(-config.kv_capacity // page)
+    min_pages = -(-config.max_context // page)
+    state_bytes = state_nbytes_for(model, config, backend)
     if backend == "cuda":
         from ninfer.gpu.cuda.runner import auto_num_pages
 
         num_pages, page_bytes = auto_num_pages(model.spec, page), model.spec.kv_bytes_per_token(2) * page
+        num_pages = max(num_pages - -(-state_bytes // page_bytes), min_pages)
     else:
         page_bytes = model.spec.kv_bytes_per_token(4) * page
-        # every lane's recurrent state (hybrid models) comes out of the same host budget
-        budget = REFERENCE_AUTO_KV_BYTES - config.max_concurrency * model.spec.recurrent_state_nbytes(4)
-        num_pages = max(budget // page_bytes, -(-config.max_context // page))
+        num_pages = max((REFERENCE_AUTO_KV_BYTES - state_bytes) // page_bytes, min_pages)
     if reserve_bytes:
         num_pages = min(num_pages, _pages_within_reserve(model, config, backend, page_bytes, reserve_bytes))
     return num_pages
@@ -122,11 +132,13 @@ def _pages_within_reserve(model: LoadedModel, config: EngineConfig, backend: str
     be copied there; the reference backend's weights are already in host memory)."""
     free, total = device_memory(backend)
     weights = model.weights.nbytes if backend == "cuda" else 0
-    room = free - reserve_bytes - weights
+    states = state_nbytes_for(model, config, backend)
+    room = free - reserve_bytes - weights - states
     needed = -(-config.max_context // config.page_size)
     if room < needed * page_bytes:
         where = "the GPU" if backend == "cuda" else "host memory (the reference backend's device)"
         weights_text = f" and {weights / GIB:.2f} GiB of weights" if weights else ""
+        weights_text += f" and {states / GIB:.3f} GiB of recurrent states" if states else ""
         raise ConfigError(
             f"--reserve-gib {reserve_bytes / GIB:g} does not fit: {where} has {free / GIB:.2f} GiB free of"
             f" {total / GIB:.2f} GiB; less the reserve{weights_text} that leaves {max(room, 0) / GIB:.2f} GiB for"

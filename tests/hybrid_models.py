@@ -2,8 +2,9 @@
 as a Hugging Face directory and written as a llama.cpp-style `qwen35` GGUF.
 
 `build_tiny_hybrid(directory)` saves the seeded transformers model (the oracle) and its GGUF
-twin; tests share one copy through the session fixture in `conftest`-free form:
-`tiny_hybrid(tmp_path_factory)`. The GGUF is converted here, independently of ninfer's HF
+twin; test modules share one copy (`tiny_hybrid_for`) through the fixtures here, imported by
+name: `from hybrid_models import hybrid, model` (`hybrid`: the TinyHybrid; `model`: its GGUF
+loaded by ninfer). The GGUF is converted here, independently of ninfer's HF
 loader, with llama.cpp's conventions: zero-centred norm gains + 1 (not the gated GDN norm),
 `ssm_a = -exp(A_log)`, `dt_bias` as `ssm_dt.bias`, conv1d squeezed to [C, K], and value heads
 moved from grouped to tiled order in every GDN tensor that has them.
@@ -17,6 +18,7 @@ from pathlib import Path
 import attrs
 import gguf
 import numpy as np
+import pytest
 from tokenizers import pre_tokenizers
 
 from ninfer.models.tokenizer import Tokenizer
@@ -169,3 +171,22 @@ def tiny_hybrid_for(tmp_path_factory) -> TinyHybrid:
     if key not in _BUILT:
         _BUILT[key] = build_tiny_hybrid(tmp_path_factory.mktemp("hybrid"))
     return _BUILT[key]
+
+
+_LOADED: dict[Path, object] = {}
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> TinyHybrid:
+    """The session's tiny hybrid (built once, shared by every module that imports this)."""
+    return tiny_hybrid_for(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def model(hybrid):
+    """Its GGUF loaded by ninfer (loaded once per session)."""
+    from ninfer.models.loader import load_model
+
+    if hybrid.gguf_path not in _LOADED:
+        _LOADED[hybrid.gguf_path] = load_model(hybrid.gguf_path)
+    return _LOADED[hybrid.gguf_path]

@@ -14,12 +14,7 @@ from ninfer.models.errors import ModelLoadError
 from ninfer.models.loader import load_model
 
 torch = pytest.importorskip("torch")
-from hybrid_models import gguf_tensors, tiny_hybrid_for, write_hybrid_gguf  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    return tiny_hybrid_for(tmp_path_factory)
+from hybrid_models import gguf_tensors, hybrid, write_hybrid_gguf  # noqa: E402, F401 (hybrid: a fixture)
 
 
 def test_multimodal_checkpoint_loads_its_text_model_and_skips_the_vision_tower(hybrid, tmp_path, caplog):

@@ -13,21 +13,11 @@ from ninfer.gpu.reference import ReferenceRunner
 from ninfer.models.loader import load_model
 
 torch = pytest.importorskip("torch")
-from hybrid_models import tiny_hybrid_for  # noqa: E402
+from hybrid_models import hybrid, model  # noqa: E402, F401 (fixtures)
 
 GREEDY = SamplingParams(temperature=0.0)
 PAGE = 16
 NUM_DECODE = 32
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    return tiny_hybrid_for(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def model(hybrid):
-    return load_model(hybrid.gguf_path)
 
 
 def hf_logits(hybrid, ids) -> np.ndarray:
@@ -207,3 +197,24 @@ def test_state_is_created_checked_and_released(model):
     again = runner.step([row(5, ids, 0)])[0]  # a replay from position 0 starts over
     fresh = runner_for(model).step([row(5, ids, 0)])[0]
     np.testing.assert_array_equal(again.logits, fresh.logits)
+
+
+def test_a_state_snapshot_restores_into_the_same_or_another_sequence(model):
+    runner = runner_for(model)
+    ids = prompt(12, seed=9)
+    runner.step([row(1, ids[:8], 0, sample=False)])
+    snapshot = runner.snapshot_state(1)
+    assert snapshot.num_tokens == 8 and snapshot.nbytes == runner.state_nbytes == model.spec.recurrent_state_nbytes(4)
+    want = runner.step([row(1, ids[8:], 8)])[0]  # sequence 1 goes on past the snapshot
+    runner.restore_state(1, snapshot)  # ... and is rewound to it
+    again = runner.step([row(1, ids[8:], 8)])[0]
+    runner.restore_state(2, snapshot)  # a new sequence starts at position 8 from it (its own pages)
+    other = runner.step([row(2, ids[8:], 8, first_page=0)])[0]
+    np.testing.assert_array_equal(again.logits, want.logits)
+    np.testing.assert_array_equal(other.logits, want.logits)
+    assert runner.num_recurrent_states == 2
+    runner.step([row(2, [other.token_id], 12)])  # a copy: sequence 2's steps leave the snapshot as it was
+    runner.restore_state(3, snapshot)
+    np.testing.assert_array_equal(runner.step([row(3, ids[8:], 8)])[0].logits, want.logits)
+    with pytest.raises(ValueError, match="no recurrent state"):
+        runner.snapshot_state(9)

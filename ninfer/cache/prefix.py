@@ -23,6 +23,24 @@ It implements the scheduler's `PrefixCacheHook` (`ninfer/sched/prefix_hook.py`):
   admitted); the waiter's next `attach` then looks up again and either finds the pages or,
   when the owner went away first, computes them itself (claiming them for the next waiter).
 
+Hybrid models (recurrent state; `checkpoint_budget_bytes` set): KV pages alone cannot resume a
+sequence, which also needs the Gated DeltaNet state after exactly those tokens. The cache keeps
+*checkpoints* of that state (`StateSnapshot`, host memory) beside full-page entries, and a hit
+reuses only the longest walked chain whose last page has one: pages past it are left to compute
+(and no partial tail is ever copied or kept, as no checkpoint lies mid-page). The hit hands the
+checkpoint to the sequence (`seq.start_state`), which the runner restores into its state before
+its first row. The rule for taking checkpoints: one per request, at its *prompt boundary*, the
+last page boundary before its last prompt token, B = ((prompt length - 1) // page_size) *
+page_size, when B lies past what its own hit reused. The attach sets `seq.checkpoint_at = B`, so
+its prefill rows end there and the step task hands the state at B to `keep_checkpoint`, which
+stores it beside the entry of the page ending at B (published as that row completed it). B is
+as far as a lookup of the same prompt walks, and the next turn of a conversation (this prompt,
+the reply, a new message) walks past it: it reuses everything up to B and computes the rest of
+the previous prompt, the reply and its new message, then checkpoints its own prompt boundary.
+Checkpoints have their own byte budget (`checkpoint_budget_bytes`); a new one drops the least
+recently used others until it fits, and evicting an entry drops its checkpoint. Read-only
+requests take none.
+
 Every KV copy this needs is queued in a `CacheIO` batch (see `host_tier.py`): the owner of the
 runner calls `take_io()`, runs the batch off the event loop and hands the result back to
 `complete_io()`, after `attach` and after `reclaim`, before the next forward pass.
@@ -38,7 +56,7 @@ from ninfer.cache.pages import PagePool
 from ninfer.cache.prefix_index import DEFAULT_KEY_BYTES, CacheEntry, PrefixIndex, Tier
 from ninfer.cache.prefix_index import salt_bytes, token_bytes
 from ninfer.cache.tiers import Tiers
-from ninfer.core.runner import PageSnapshot, Runner
+from ninfer.core.runner import PageSnapshot, Runner, StateSnapshot
 
 
 def model_salt(spec, runner_name: str, prefix_salt: str = "") -> str:
@@ -65,6 +83,9 @@ class PrefixCacheStatistics:
     host_bytes: int  # bytes of those snapshots
     host_budget_bytes: int
     num_waits: int = 0  # requests that waited for pages another request was computing
+    num_checkpoints: int = 0  # hybrid models: recurrent-state checkpoints held now
+    checkpoint_bytes: int = 0  # their host bytes
+    checkpoint_budget_bytes: int = 0
 
 
 @attrs.frozen
@@ -73,6 +94,7 @@ class Hit:
 
     page_ids: tuple[int, ...]
     num_tokens: int
+    state: StateSnapshot | None = None  # hybrid models: the recurrent state after num_tokens (None at 0)
 
 
 @attrs.define(eq=False)
@@ -104,17 +126,25 @@ class PrefixCache:
         salt: bytes | str = b"",
         num_reserved_pages: int = 0,
         key_bytes: int = DEFAULT_KEY_BYTES,
+        checkpoint_budget_bytes: int | None = None,
     ):
         """`salt` names the model (KV from another model must never match).
 
         `num_reserved_pages`: free pages a hit must leave when it allocates (a restore or a tail
         copy), so cache traffic never takes the last pages running sequences grow into.
+
+        `checkpoint_budget_bytes`: None for dense models; for models with recurrent state the
+        host bytes of state checkpoints, and hits only reuse checkpointed prefixes (module doc).
         """
+        if checkpoint_budget_bytes is not None and checkpoint_budget_bytes < 0:
+            raise ValueError(f"the checkpoint budget must be >= 0, got {checkpoint_budget_bytes}")
         self.page_size = page_size
+        self.is_recurrent = checkpoint_budget_bytes is not None
         self._salt = salt.encode() if isinstance(salt, str) else bytes(salt)
         self._index = PrefixIndex(page_size, key_bytes=key_bytes)
         self._host = HostTier(host_budget_bytes, page_nbytes)
-        self._tiers = Tiers(self._index, self._host, num_reserved_pages=num_reserved_pages)
+        self._tiers = Tiers(self._index, self._host, num_reserved_pages=num_reserved_pages,
+                            checkpoint_budget_bytes=checkpoint_budget_bytes or 0)  # fmt: skip
         self._counts = dict.fromkeys(("lookups", "hits", "hit_tokens", "published_pages", "tail_copies", "waits"), 0)
         # Single flight: page key -> seq_id of the sequence computing that page, and per
         # sequence its claims; where each attach left off (for the claim that follows it).
@@ -152,6 +182,9 @@ class PrefixCache:
         seq.pages = list(hit.page_ids)
         seq.num_cached = seq.num_cached_prompt = hit.num_tokens
         self._frontiers[seq.seq_id] = (parent_key, len(chain))
+        if self.is_recurrent:
+            seq.start_state = hit.state
+            seq.checkpoint_at = self._checkpoint_boundary(seq, hit.num_tokens)
 
     def claim(self, seq) -> None:
         """`seq` (just attached) will compute the rest of its prompt: an `attach` of another
@@ -181,6 +214,19 @@ class PrefixCache:
         self._count(lookups=-1, hits=-int(seq.num_cached_prompt > 0), hit_tokens=-seq.num_cached_prompt)
         seq.pages = []
         seq.num_cached = seq.num_cached_prompt = 0
+        seq.start_state, seq.checkpoint_at = None, 0
+
+    def keep_checkpoint(self, seq, snapshot: StateSnapshot) -> None:
+        """Keep the recurrent state `seq` reached at a page boundary (its `checkpoint_at`) beside
+        the entry of the page ending there (published as the row completed it); nothing when
+        that page is not cached (a collision, an eviction) or the budget is too small."""
+        size = self.page_size
+        if not self.is_recurrent or seq.request.cache_read_only or snapshot.num_tokens % size:
+            return
+        chain = self._published.get(seq.seq_id) or []
+        index = snapshot.num_tokens // size - 1
+        if 0 <= index < len(chain) and chain[index] in self._index:
+            self._tiers.keep_checkpoint(chain[index], snapshot)
 
     def publish(self, seq, pool: PagePool) -> None:
         """Keep a finished sequence's computed pages (before it releases them)."""
@@ -246,6 +292,8 @@ class PrefixCache:
     def _hold(self, chain: list[CacheEntry], salt: bytes, prompt: np.ndarray, pool: PagePool) -> Hit:
         """Hold the pages of a walked chain (restoring host entries) plus a copied tail; count the lookup."""
         max_tokens = len(prompt) - 1
+        if self.is_recurrent:  # a hybrid prefix is reusable only up to a state checkpoint
+            chain = chain[: _last_checkpoint(chain)]
         # Touch first: a restore that must free a page takes it from strictly older entries.
         self._index.touch(chain)
         floor = chain[-1].last_used if chain else None
@@ -256,6 +304,12 @@ class PrefixCache:
             pool.retain([entry.page_id])
             held += 1
         page_ids = [entry.page_id for entry in chain[:held]]
+        if self.is_recurrent:  # only up to the last checkpoint (a restore may have stopped early)
+            keep = _last_checkpoint(chain[:held])
+            pool.release(page_ids[keep:])
+            num_tokens = keep * self.page_size
+            self._count(lookups=1, hits=int(num_tokens > 0), hit_tokens=num_tokens)
+            return Hit(tuple(page_ids[:keep]), num_tokens, chain[keep - 1].checkpoint if keep else None)
         num_tokens = held * self.page_size
         tail = self._copy_tail(chain[:held], salt, prompt[num_tokens:max_tokens])
         if tail is not None:
@@ -287,7 +341,8 @@ class PrefixCache:
             chain.append(parent)
         else:
             tail_tokens = tokens[(num_full - start) * size :]
-            if tail_tokens.size and num_full < len(page_ids):
+            # (hybrids keep no tails: no checkpoint lies mid-page, so none could be reused)
+            if tail_tokens.size and num_full < len(page_ids) and not self.is_recurrent:
                 tail = self._keep_tail(parent, salt, tail_tokens, page_ids[num_full])
                 self._index.touch([*chain, tail] if tail is not None else chain)
                 return chain
@@ -312,6 +367,9 @@ class PrefixCache:
             num_host_pages=self._host.num_pages,
             host_bytes=self._host.num_bytes,
             host_budget_bytes=self._host.budget_bytes,
+            num_checkpoints=tiers.num_checkpoints,
+            checkpoint_bytes=tiers.checkpoint_bytes,
+            checkpoint_budget_bytes=tiers.checkpoint_budget_bytes,
         )
 
     def unreachable(self) -> list[CacheEntry]:
@@ -382,6 +440,13 @@ class PrefixCache:
         if not claim.keys:
             del self._claimed[seq_id]
 
+    def _checkpoint_boundary(self, seq, num_hit: int) -> int:
+        """Where `seq` should checkpoint its state (module doc: its prompt boundary), or 0."""
+        if seq.request.cache_read_only or self._tiers.checkpoint_budget_bytes <= 0:
+            return 0
+        boundary = (seq.num_prompt - 1) // self.page_size * self.page_size
+        return boundary if boundary > num_hit else 0
+
     def _count(self, **amounts: int) -> None:
         for name, amount in amounts.items():
             self._counts[name] += amount
@@ -429,3 +494,8 @@ class PrefixCache:
             is_covered = child.num_tokens < self.page_size and tokens.startswith(child.tokens)
             if is_covered and (child.tier is Tier.HOST or self._tiers.is_reclaimable(child)):
                 self._tiers.evict(child)
+
+
+def _last_checkpoint(chain: list[CacheEntry]) -> int:
+    """The length of the longest prefix of `chain` whose last entry holds a state checkpoint (0: none)."""
+    return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i].checkpoint is not None), 0)

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 import numpy as np
 
-from ninfer.core.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot, StateSnapshot
 
 DEFAULT_KEY_BYTES = 16  # 128-bit keys: collisions are astronomically rare (and verified anyway)
 
@@ -59,6 +59,8 @@ class CacheEntry:
     is_busy: bool = False  # a demotion to host is in flight: the page is still held
     is_removed: bool = False  # evicted while busy: the finished demotion is dropped
     last_used: int = 0  # the index's clock at the last touch: larger is more recent
+    # hybrid models: the recurrent state after this page's last token (host memory), if kept
+    checkpoint: StateSnapshot | None = None
 
     def __repr__(self) -> str:
         return f"CacheEntry({self.key.hex()[:8]}, {self.tier.value}, tokens={self.num_tokens})"

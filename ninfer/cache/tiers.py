@@ -17,15 +17,20 @@ from collections import Counter
 from ninfer.cache.host_tier import CacheIO, HostTier
 from ninfer.cache.pages import PagePool
 from ninfer.cache.prefix_index import CacheEntry, PrefixIndex, Tier
-from ninfer.core.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot, StateSnapshot
 
 
 class Tiers:
     """Moves a `PrefixIndex`'s entries between the page pool and the host tier."""
 
-    def __init__(self, index: PrefixIndex, host: HostTier, *, num_reserved_pages: int = 0):
+    def __init__(self, index: PrefixIndex, host: HostTier, *, num_reserved_pages: int = 0,
+                 checkpoint_budget_bytes: int = 0):  # fmt: skip
         self.index = index
         self.host = host
+        # Hybrid models: recurrent-state checkpoints beside entries, within their own byte budget.
+        self.checkpoint_budget_bytes = checkpoint_budget_bytes
+        self.checkpoint_bytes = 0
+        self.num_checkpoints = 0
         self.num_reserved_pages = num_reserved_pages
         self.pool: PagePool | None = None
         self.io = CacheIO()
@@ -121,8 +126,33 @@ class Tiers:
             elif removed.snapshot is not None:
                 self.host.drop(removed.snapshot)
                 removed.snapshot = None
+            self.drop_checkpoint(removed)
             self.num_evictions += int(count)
         return num_freed
+
+    # -- state checkpoints (hybrid models) -----------------------------------------------
+
+    def keep_checkpoint(self, entry: CacheEntry, snapshot: StateSnapshot) -> bool:
+        """Keep `snapshot` beside the entry, dropping the least recently used other checkpoints
+        until it fits the budget; False (nothing kept) when it is larger than the budget."""
+        if snapshot.nbytes > self.checkpoint_budget_bytes:
+            return False
+        self.drop_checkpoint(entry)
+        for victim in list(self.index):  # least recently used first
+            if self.checkpoint_bytes + snapshot.nbytes <= self.checkpoint_budget_bytes:
+                break
+            if victim is not entry:
+                self.drop_checkpoint(victim)
+        entry.checkpoint = snapshot
+        self.checkpoint_bytes += snapshot.nbytes
+        self.num_checkpoints += 1
+        return True
+
+    def drop_checkpoint(self, entry: CacheEntry) -> None:
+        if entry.checkpoint is not None:
+            self.checkpoint_bytes -= entry.checkpoint.nbytes
+            self.num_checkpoints -= 1
+            entry.checkpoint = None
 
     # -- hits ----------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ strides give more context at more cost (about W / S passes over each token).
 The driver (`drive`) feeds the runner as the engine does: windows in flight each hold the KV
 pages of their W tokens, each step takes a chunk of up to `chunk` tokens from every window in
 flight (up to `batch_tokens` in all), and only chunks that hold wanted positions ask the
-runner for outputs (`SampleSpec.want_all_logits` / `hidden_layers`).
+runner for outputs (`SampleSpec.want_all_logits` / `hidden_layers`). A window that ends gives
+back its pages and, on a runner with recurrent state (hybrid models), its state
+(`release_sequence`).
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def drive(
     chunks. `progress`: a tqdm bar advanced by the tokens fed."""
     page = runner.page_size
     free = list(range(runner.num_pages - 1, -1, -1))
+    release = getattr(runner, "release_sequence", None)
     queue = deque(jobs)
     active: list[Job] = []
     for job in jobs:
@@ -172,6 +175,8 @@ def drive(
         for job in [j for j in active if j.pos == len(j.tokens)]:
             active.remove(job)
             free.extend(int(p) for p in job.pages[::-1])
+            if release is not None:  # hybrid models: the window's recurrent state goes with it
+                release(job.seq_id)
 
 
 def _plan_step(active: list[Job], chunk: int, batch_tokens: int, one_token: bool, make_spec):

@@ -23,7 +23,14 @@ the host between steps.
 Hybrid models (`spec.is_hybrid`) also carry per-sequence recurrent state, which the runner keeps
 by `seq_id`: a row at position 0 starts it, every later row must continue exactly where it ends.
 Such runners have `release_sequence(seq_id)`, which the scheduler calls when it frees a
-sequence's pages or pauses it to replay (optional: dense-only runners need not have it).
+sequence's pages or pauses it to replay (optional: dense-only runners need not have it), and
+the `RecurrentState` methods: `snapshot_state(seq_id)` copies a sequence's state (every GDN
+layer's conv window and delta-rule state) to host memory as a `StateSnapshot`, and
+`restore_state(seq_id, snapshot)` makes that the sequence's state, whatever it held before, so
+its next row continues at `snapshot.num_tokens`. A snapshot pause keeps one beside the page
+snapshot; the prefix cache restores a checkpoint into a new sequence that reuses a prefix.
+`state_nbytes` is the fixed size of one sequence's state (what each `StateSnapshot` holds);
+`max_states` how many sequences may hold one at a time (None: no fixed bound).
 """
 
 from __future__ import annotations
@@ -106,6 +113,19 @@ class SampledToken:
 class PageSnapshot:
     """KV contents of some pages, copied to host memory (opaque to the scheduler)."""
 
+    arrays: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays)
+
+
+@attrs.frozen(eq=False)
+class StateSnapshot:
+    """One sequence's recurrent state after its first `num_tokens` tokens, in host memory
+    (the arrays are the runner's to read: opaque to the scheduler and the prefix cache)."""
+
+    num_tokens: int
     arrays: tuple[np.ndarray, ...]
 
     @property
@@ -214,3 +234,38 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release device memory and threads."""
+
+
+@runtime_checkable
+class RecurrentState(Protocol):
+    """What runners of hybrid models (`spec.is_hybrid`) add to `Runner`: per-sequence recurrent
+    state, by `seq_id`."""
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's recurrent state (the size of each `StateSnapshot`)."""
+
+    @property
+    def max_states(self) -> int | None:
+        """Sequences that may hold a state at once (device slots), or None (no fixed bound)."""
+
+    @property
+    def num_recurrent_states(self) -> int:
+        """Sequences holding a state now."""
+
+    def release_sequence(self, seq_id: int) -> None:
+        """Drop the sequence's state (no-op when it holds none)."""
+
+    def snapshot_state(self, seq_id: int) -> StateSnapshot:
+        """Copy the sequence's state to host memory (after the steps queued so far);
+        ValueError when it holds none."""
+
+    def restore_state(self, seq_id: int, snapshot: StateSnapshot) -> None:
+        """Make `snapshot` the sequence's state: its next row starts at `snapshot.num_tokens`."""
+
+
+def recurrent_state(runner) -> RecurrentState | None:
+    """The runner, where it keeps recurrent state (a hybrid model's) and can copy it, else None."""
+    if getattr(runner.spec, "is_hybrid", False) and hasattr(runner, "snapshot_state"):
+        return runner
+    return None

@@ -235,7 +235,7 @@ class StateStore:
             where = "none" if held is None else f"one after {held.num_tokens} tokens"
             raise ValueError(
                 f"sequence {seq_id} continues at position {start_pos}, but its recurrent state is {where}"
-                " (hybrid models cannot start mid-sequence: no prefix reuse, pauses replay)"
+                " (a hybrid sequence continues only from its own state, or one restored with restore_state)"
             )
         return list(held.layers)
 
@@ -247,6 +247,29 @@ class StateStore:
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
+
+    def snapshot(self, seq_id: int) -> tuple[int, tuple[np.ndarray, np.ndarray]]:
+        """(tokens seen, (conv [layers, K - 1, C], ssm [layers, Hv, dk, dv])): a copy of the
+        sequence's state; ValueError when it holds none."""
+        held = self._states.get(seq_id)
+        if held is None:
+            raise ValueError(f"sequence {seq_id} holds no recurrent state to snapshot")
+        conv = np.stack([layer.conv for layer in held.layers])
+        ssm = np.stack([layer.ssm for layer in held.layers])
+        return held.num_tokens, (conv, ssm)
+
+    def restore(self, seq_id: int, num_tokens: int, conv: np.ndarray, ssm: np.ndarray) -> None:
+        """Make a snapshot (copied) the sequence's state, after `num_tokens` tokens."""
+        want = GdnState.zeros(self._gdn, self._dtype)
+        if conv.shape != (self._num_layers, *want.conv.shape) or ssm.shape != (self._num_layers, *want.ssm.shape):
+            raise ValueError(f"a state snapshot of shapes {conv.shape}, {ssm.shape} does not fit this model")
+        layers = [GdnState(conv[j].astype(self._dtype), ssm[j].astype(self._dtype)) for j in range(self._num_layers)]
+        self.commit(seq_id, num_tokens, layers)
+
+    def nbytes(self) -> int:
+        """Bytes of one sequence's state."""
+        state = GdnState.zeros(self._gdn, self._dtype)
+        return self._num_layers * int(state.conv.nbytes + state.ssm.nbytes)
 
     def clear(self) -> None:
         self._states.clear()

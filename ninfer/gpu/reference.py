@@ -33,7 +33,8 @@ only the first `spec.rotary_dim` dims of each head and gate their output
 Gated DeltaNet (`gdn.py`: the chunked form over a prefill row, the recurrent form over the
 batch's decode rows) instead of attention; and each sequence carries recurrent state, kept here
 by sequence id (`gdn.StateStore`): a row at position 0 starts it, each later row must continue
-exactly where it ends, `release_sequence` drops it. A step's new states are committed only
+exactly where it ends, `release_sequence` drops it, `snapshot_state` / `restore_state` copy it
+out and back (into the same sequence or another). A step's new states are committed only
 once the whole forward succeeded.
 """
 
@@ -44,7 +45,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ninfer.core.runner import PageSnapshot, SampledToken, StepRow, SyncSubmit, check_hidden_layers
+from ninfer.core.runner import PageSnapshot, SampledToken, StateSnapshot, StepRow, SyncSubmit, check_hidden_layers
 from ninfer.gpu import gdn, sampling
 from ninfer.models.spec import LINEAR_ATTENTION, ModelSpec
 from ninfer.models.weights import ModelWeights
@@ -374,6 +375,28 @@ class ReferenceRunner(SyncSubmit):
     def num_recurrent_states(self) -> int:
         """Sequences whose recurrent state this runner holds (0 for dense models)."""
         return 0 if self._states is None else len(self._states)
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's recurrent state (0 for dense models)."""
+        return 0 if self._states is None else self._states.nbytes()
+
+    max_states = None  # states live in host memory, one per sequence: no fixed bound
+
+    def snapshot_state(self, seq_id: int) -> StateSnapshot:
+        """A copy of the sequence's recurrent state: (conv windows, delta-rule states), each
+        stacked over the GDN layers; ValueError when it holds none."""
+        if self._states is None:
+            raise ValueError("a dense model keeps no recurrent state")
+        num_tokens, arrays = self._states.snapshot(seq_id)
+        return StateSnapshot(num_tokens, arrays)
+
+    def restore_state(self, seq_id: int, snapshot: StateSnapshot) -> None:
+        """Make a copy of `snapshot` the sequence's state: its next row starts at
+        `snapshot.num_tokens` (a resumed pause, or a prefix reused from a checkpoint)."""
+        if self._states is None:
+            raise ValueError("a dense model keeps no recurrent state")
+        self._states.restore(seq_id, snapshot.num_tokens, *snapshot.arrays)
 
     def recurrent_state(self, seq_id: int) -> gdn.SequenceState | None:
         """A sequence's recurrent state (tests and tools; the arrays are the runner's own)."""

@@ -24,7 +24,7 @@ import trio
 
 from ninfer.cache.pages import PagePool, pages_for_tokens
 from ninfer.cache.prefix import PrefixCache, model_salt
-from ninfer.core.runner import Runner
+from ninfer.core.runner import Runner, recurrent_state
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.lane import run_lane
 from ninfer.sched.output import OutputText
@@ -74,19 +74,36 @@ def check_capacity(config: EngineConfig, runner: Runner, max_context: int) -> No
             f"The runner holds {num_tokens} KV tokens but kv_capacity asks for"
             f" {config.kv_capacity}; size the runner with pages_for_tokens(kv_capacity, page_size)."
         )
+    # Hybrid models: every running sequence holds one recurrent state (paused ones keep theirs
+    # on the host or none), so the runner must hold one per lane.
+    recurrent = recurrent_state(runner)
+    max_states = None if recurrent is None else recurrent.max_states
+    if max_states is not None and max_states < config.max_concurrency:
+        raise ValueError(
+            f"The runner keeps recurrent state for {max_states} sequences but the engine runs"
+            f" {config.max_concurrency} lanes; build the runner with max_sequences >= max_concurrency."
+        )
 
 
 def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHook:
     """The prefix cache `config` asks for: device pages plus a host tier of `host_cache_bytes`.
 
-    Hybrid models get none: a prefix is reusable only with the recurrent state after it, and
-    no runner keeps checkpoints of that state yet."""
-    if not config.prefix_cache or runner.spec.is_hybrid:
+    Hybrid models: a prefix is reusable only where a checkpoint of the recurrent state after
+    it exists (cache/prefix.py); half of `host_cache_bytes` holds those checkpoints, the other
+    half the host tier's pages. A hybrid runner that cannot copy its state gets no cache."""
+    if not config.prefix_cache:
         return NoPrefixCache()
+    host_bytes, checkpoint_bytes = config.host_cache_bytes, None
+    if runner.spec.is_hybrid:
+        if recurrent_state(runner) is None:
+            return NoPrefixCache()
+        checkpoint_bytes = host_bytes // 2
+        host_bytes -= checkpoint_bytes
     return PrefixCache(
         page_size=runner.page_size,
         page_nbytes=runner.page_nbytes,
-        host_budget_bytes=config.host_cache_bytes,
+        host_budget_bytes=host_bytes,
+        checkpoint_budget_bytes=checkpoint_bytes,
         salt=model_salt(runner.spec, type(runner).__name__, config.prefix_salt),
         # Restores and tail copies leave pages of growth to running requests (one per lane,
         # at most an eighth of the pool).
@@ -117,7 +134,11 @@ class Engine:
         self._executor = executor or trio.to_thread.run_sync
         prefix_cache = prefix_cache or default_prefix_cache(config, runner)
         release_state = getattr(runner, "release_sequence", None)  # runners with recurrent state
-        self._state = EngineState(PagePool(runner.num_pages), prefix_cache, observer, release_state)
+        recurrent = recurrent_state(runner)  # hybrid models: the state's size, who holds one
+        state_nbytes = 0 if recurrent is None else recurrent.state_nbytes
+        count_states = None if recurrent is None else (lambda: recurrent.num_recurrent_states)
+        self._state = EngineState(PagePool(runner.num_pages), prefix_cache, observer, release_state,
+                                  count_states=count_states, state_nbytes=state_nbytes)  # fmt: skip
         self._seq_ids = itertools.count()
         self._rng = random.Random(config.seed)
         self._limits = PlanLimits(
@@ -125,10 +146,11 @@ class Engine:
             prefill_chunk=config.prefill_chunk,
             max_prefill_tokens=config.max_prefill_tokens,
             max_concurrency=config.max_concurrency,
-            # a snapshot holds KV pages only: hybrid models' pauses drop and replay instead,
-            # which recomputes the recurrent state
-            host_snapshot_bytes=0 if runner.spec.is_hybrid else config.host_snapshot_bytes,
+            # a hybrid's snapshot holds its recurrent state beside its pages; a hybrid runner
+            # that cannot copy its state drops and replays (recomputing the state) instead
+            host_snapshot_bytes=0 if runner.spec.is_hybrid and recurrent is None else config.host_snapshot_bytes,
             page_nbytes=runner.page_nbytes,
+            state_nbytes=state_nbytes,
         )
 
     # -- public API ----------------------------------------------------------------------

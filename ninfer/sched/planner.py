@@ -9,7 +9,8 @@
    burst: when short prefills (at most a chunk each: short prompts, short suffixes over a
    cached prefix) running or admissible add up to more than `BURST_CHUNKS` chunks, or a
    prefill has waiters, the step takes every row's share, up to `max_prefill_tokens`. Pages
-   are reserved only for the tokens of this step.
+   are reserved only for the tokens of this step. A prefill row ends at the sequence's
+   `checkpoint_at` (hybrid models: the prefix cache keeps the recurrent state there).
 2. Pressure: when a row cannot get even the one page it needs, the planner first takes
    inactive prefix-cache pages (`num_reclaimable_pages`), then pauses the youngest running
    sequences that are younger than it, one at a time, until the page fits. A pause snapshots
@@ -46,6 +47,7 @@ class PlanLimits:
     max_concurrency: int
     host_snapshot_bytes: int
     page_nbytes: int
+    state_nbytes: int = 0  # one sequence's recurrent state (hybrid models): a snapshot pause keeps it too
     max_prefill_tokens: int | None = None  # of one step in a burst (None: 8 x prefill_chunk)
 
     def free_lanes(self, num_holding: int) -> int:
@@ -140,8 +142,8 @@ class _Budget:
         self.num_reclaim += take
         self.num_free += take
 
-    def pause_mode(self, seq: Sequence, page_nbytes: int) -> PauseMode:
-        snapshot_bytes = len(seq.pages) * page_nbytes
+    def pause_mode(self, seq: Sequence, page_nbytes: int, state_nbytes: int = 0) -> PauseMode:
+        snapshot_bytes = len(seq.pages) * page_nbytes + state_nbytes
         if seq.num_cached == 0 or snapshot_bytes > self.host_bytes_left:
             return PauseMode.DROP
         self.host_bytes_left -= snapshot_bytes
@@ -180,7 +182,10 @@ def _wanted_tokens(seq: Sequence, num_prefill_left: int, limits: PlanLimits) -> 
     """Tokens the sequence would feed this step: its decode token, or a prefill chunk."""
     if seq.num_pending == 1:
         return 1
-    return min(seq.num_pending, num_prefill_left, limits.row_prefill(seq))
+    num_tokens = min(seq.num_pending, num_prefill_left, limits.row_prefill(seq))
+    if seq.checkpoint_at > seq.num_cached:  # the prefix cache wants the state there: end the row at it
+        num_tokens = min(num_tokens, seq.checkpoint_at - seq.num_cached)
+    return num_tokens
 
 
 def _plan_running(residents: list[Sequence], budget: _Budget, limits: PlanLimits):
@@ -208,7 +213,7 @@ def _pause_for(seq, index, residents, budget, limits) -> list[Pause]:
         if victim is None:
             break
         residents.remove(victim)
-        pauses.append(Pause(victim, budget.pause_mode(victim, limits.page_nbytes)))
+        pauses.append(Pause(victim, budget.pause_mode(victim, limits.page_nbytes, limits.state_nbytes)))
         # Shared pages stay in use (they become reclaimable cache only in the next step).
         budget.num_free += budget.pages_freed_by_pause(victim)
     return pauses

@@ -32,6 +32,11 @@ reference counts. The scheduler calls every method of `PrefixCacheHook`, at thes
   its host tier, copy-on-write tails, demotions). The step task runs `snapshots =
   io.run(runner)` off the event loop after attaching and after reclaiming, before the next
   forward pass, when the batch is not empty.
+- Hybrid models (recurrent state): a hit may also set `seq.start_state`, the checkpoint of the
+  state after its `num_cached` tokens (the step task restores it into the runner when the
+  sequence is admitted), and `seq.checkpoint_at`, a prompt position where the cache wants the
+  state (prefill rows end there). `keep_checkpoint(seq, snapshot)`: the step task hands over
+  the state the sequence reached at `checkpoint_at`, right after that row.
 - `statistics()`: a frozen record of the cache's counters (None when there is no cache).
 
 `NoPrefixCache` implements all of them for "no cache" (nothing is ever shared); a hook that
@@ -45,7 +50,7 @@ from typing import Protocol
 from ninfer.cache.host_tier import CacheIO
 from ninfer.cache.pages import PagePool
 from ninfer.cache.prefix import PrefixCacheStatistics
-from ninfer.core.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot, StateSnapshot
 from ninfer.sched.sequence import Sequence
 
 
@@ -65,6 +70,8 @@ class PrefixCacheHook(Protocol):
     def num_reclaimable_pages(self) -> int: ...
 
     def reclaim(self, num_pages: int, pool: PagePool) -> None: ...
+
+    def keep_checkpoint(self, seq: Sequence, snapshot: StateSnapshot) -> None: ...
 
     def take_io(self) -> CacheIO: ...
 
@@ -86,6 +93,7 @@ class NoPrefixCache:
         pool.release(seq.pages)
         seq.pages = []
         seq.num_cached = seq.num_cached_prompt = 0
+        seq.start_state, seq.checkpoint_at = None, 0
 
     def forget(self, seq: Sequence) -> None:
         pass
@@ -102,6 +110,9 @@ class NoPrefixCache:
     def reclaim(self, num_pages: int, pool: PagePool) -> None:
         if num_pages:
             raise ValueError("NoPrefixCache holds no pages to reclaim")
+
+    def keep_checkpoint(self, seq: Sequence, snapshot: StateSnapshot) -> None:
+        pass
 
     def take_io(self) -> CacheIO:
         return CacheIO()

@@ -15,7 +15,7 @@ import enum
 import numpy as np
 
 from ninfer.cache.pages import pages_for_tokens
-from ninfer.core.runner import PageSnapshot
+from ninfer.core.runner import PageSnapshot, StateSnapshot
 from ninfer.sched.request import GenerationRequest
 
 
@@ -47,6 +47,13 @@ class Sequence:
         self.num_waiters = 0  # queued requests waiting for the prefix pages this one computes
         self.pages: list[int] = []
         self.snapshot: PageSnapshot | None = None  # set while paused by snapshot
+        self.state_snapshot: StateSnapshot | None = None  # its recurrent state then (hybrid models)
+        # Hybrid models and the prefix cache: the recurrent state a prefix-cache hit starts from
+        # (the checkpoint after its num_cached tokens; the step task restores it on admission),
+        # and the prompt position where the cache wants a checkpoint of this sequence's state
+        # (prefill rows end there; 0: none wanted).
+        self.start_state: StateSnapshot | None = None
+        self.checkpoint_at = 0
         self.num_snapshot_pages = 0  # pages the snapshot fills again on resume
         self.num_pauses = 0
         self.is_cancel_requested = False

@@ -73,10 +73,14 @@ class Ticket:
 
 class EngineState:
     def __init__(self, pool: PagePool, prefix: PrefixCacheHook, observer: RequestObserver | None,
-                 release_state: Callable[[int], None] | None = None):  # fmt: skip
+                 release_state: Callable[[int], None] | None = None, *,
+                 count_states: Callable[[], int] | None = None, state_nbytes: int = 0):  # fmt: skip
         self.pool = pool
         # drops a sequence's recurrent state in the runner (hybrid models), by sequence id
         self.release_state = release_state or (lambda seq_id: None)
+        # sequences whose recurrent state the runner holds now, and the bytes of one such state
+        self.count_states = count_states or (lambda: 0)
+        self.state_nbytes = state_nbytes
         self.prefix = prefix
         self.observer = observer
         self.waiting: list[Sequence] = []
@@ -109,9 +113,13 @@ class EngineState:
         self.pool.release(seq.pages)
         seq.pages = []
         self.release_state(seq.seq_id)
+        seq.start_state = None
         if seq.snapshot is not None:
             self.host_snapshot_bytes -= seq.snapshot.nbytes
             seq.snapshot = None
+        if seq.state_snapshot is not None:
+            self.host_snapshot_bytes -= seq.state_snapshot.nbytes
+            seq.state_snapshot = None
 
     # -- endings ------------------------------------------------------------------------
 
@@ -198,6 +206,7 @@ class EngineState:
     def statistics(self, num_lanes: int) -> EngineStatistics:
         c = self.counters
         active = {page for seq in self.running for page in seq.pages}
+        num_states = self.count_states()
         return EngineStatistics(
             is_healthy=self.is_healthy,
             num_lanes=num_lanes,
@@ -209,6 +218,8 @@ class EngineState:
             num_pages_free=self.pool.num_free,
             num_pages_active=len(active),
             host_snapshot_bytes=self.host_snapshot_bytes,
+            num_recurrent_states=num_states,
+            recurrent_state_bytes=num_states * self.state_nbytes,
             num_steps=c.num_steps,
             num_lookahead_steps=c.num_lookahead_steps,
             num_preemptions=c.num_preemptions,
@@ -239,6 +250,8 @@ def _prefix_fields(prefix: PrefixCacheHook) -> dict[str, int]:
         "num_prefix_cache_pages": cache.num_device_pages,
         "num_prefix_host_pages": cache.num_host_pages,
         "prefix_host_bytes": cache.host_bytes,
+        "num_prefix_checkpoints": cache.num_checkpoints,
+        "prefix_checkpoint_bytes": cache.checkpoint_bytes,
     }
 
 

@@ -35,7 +35,7 @@ class EngineStatistics:
     num_pages_used: int  # capacity - free (running sequences + prefix cache)
     num_pages_free: int
     num_pages_active: int  # pages held by running sequences
-    host_snapshot_bytes: int  # host memory now held by snapshots of paused sequences
+    host_snapshot_bytes: int  # host memory now held by snapshots of paused sequences (KV + recurrent state)
     num_steps: int
     num_preemptions: int  # pauses, by snapshot or by drop
     num_snapshot_restores: int
@@ -57,6 +57,13 @@ class EngineStatistics:
     prefix_host_bytes: int = 0  # gauge: host memory those pages take
     num_lookahead_steps: int = 0  # decode steps queued before the step before them was read
     num_prefix_waits: int = 0  # requests that waited for prefix pages another request was computing
+    # Hybrid models: gauges of the recurrent state the runner holds (one per running sequence
+    # that has started; paused ones hold theirs in host_snapshot_bytes or none), and of the
+    # prefix cache's state checkpoints (host memory, within their own budget).
+    num_recurrent_states: int = 0
+    recurrent_state_bytes: int = 0
+    num_prefix_checkpoints: int = 0
+    prefix_checkpoint_bytes: int = 0
     # STEP_PHASES -> host seconds, cumulative: wall-clock measurements, left out of equality
     # (two replays of one workload in virtual time have equal statistics, not equal timings)
     step_phase_s: Mapping[str, float] = attrs.field(factory=dict, eq=False)

@@ -14,6 +14,13 @@ penalties, a sequence at its last token, no free page); the step in flight is th
 and committed like any other, its tokens dropped for sequences that ended meanwhile (the K/V
 it writes for them, the right K/V of their last token, lies past what they or the prefix
 cache count as computed; later users of those pages are queued behind it on the stream).
+
+Hybrid models (a runner with recurrent state, `core.runner.RecurrentState`): a snapshot pause
+copies the sequence's state beside its pages and the resume restores both; any pause releases
+the runner's copy (a replay recomputes it). A sequence admitted over a cached prefix starts
+from the prefix cache's checkpoint (`seq.start_state`, restored before its first row), and a
+row that ends at `seq.checkpoint_at` hands the state there to the cache (`keep_checkpoint`),
+after the step (prefill rows are never looked ahead, so no step is in flight then).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import trio
 
 import attrs
 
-from ninfer.core.runner import Runner, SampleSpec, StepRow, next_position
+from ninfer.core.runner import Runner, SampleSpec, StepRow, next_position, recurrent_state
 from ninfer.sched.lane import accept_sampled
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
 from ninfer.sched.planner import StepPlan, split_expired
@@ -61,6 +68,7 @@ class Stepper:
         self._assignments = assignments
         self._max_context = max_context or runner.spec.max_context
         self._lookahead = lookahead
+        self._recurrent = recurrent_state(runner)  # hybrid models: snapshots and checkpoints of the state
 
     async def run(self) -> None:
         """Step until cancelled, or until the runner fails (the engine is then unhealthy)."""
@@ -113,8 +121,12 @@ class Stepper:
         for seq in plan.admits:
             if seq.phase is Phase.WAITING:
                 self._admit(seq)
+        await self._start_states(plan.admits)
         if plan.rows:
             await self._run_rows(plan.rows)
+            if self._recurrent is not None:
+                await self._take_checkpoints(plan.rows)
+                clock.lap("cache_io")
         return True
 
     def _plan(self, waiting: list[Sequence]) -> StepPlan:
@@ -179,6 +191,7 @@ class Stepper:
             if seq.is_prefix_looked_up and seq.seq_id not in admitted:
                 held = held or bool(seq.pages)
                 self._state.prefix.detach(seq, self._state.pool)
+                seq.start_state, seq.checkpoint_at = None, 0
                 seq.is_prefix_looked_up = False
         return held
 
@@ -198,9 +211,12 @@ class Stepper:
             snapshot = await self._executor(self._runner.snapshot_pages, list(seq.pages))
             seq.snapshot, seq.num_snapshot_pages = snapshot, len(seq.pages)
             state.host_snapshot_bytes += snapshot.nbytes
+            if self._recurrent is not None:  # the recurrent state goes beside the pages
+                seq.state_snapshot = await self._executor(self._recurrent.snapshot_state, seq.seq_id)
+                state.host_snapshot_bytes += seq.state_snapshot.nbytes
         else:
-            seq.num_cached = 0
-            state.release_state(seq.seq_id)  # a replay starts its recurrent state over
+            seq.num_cached = 0  # a replay starts its recurrent state over
+        state.release_state(seq.seq_id)  # paused sequences hold no state in the runner
         state.pool.release(seq.pages)
         seq.pages = []
         state.forget_prefix(seq)  # requests waiting for its prefix pages compute them themselves
@@ -216,11 +232,39 @@ class Stepper:
             await self._executor(self._runner.restore_pages, pages, seq.snapshot)
             state.host_snapshot_bytes -= seq.snapshot.nbytes
             seq.snapshot, seq.pages = None, pages
+            if seq.state_snapshot is not None:
+                await self._executor(self._recurrent.restore_state, seq.seq_id, seq.state_snapshot)
+                state.host_snapshot_bytes -= seq.state_snapshot.nbytes
+                seq.state_snapshot = None
             state.counters.num_snapshot_restores += 1
         else:
             state.counters.num_replay_restores += 1
         state.move(seq, Phase.RUNNING)
         state.tickets[seq.seq_id].wake.notify()
+
+    async def _start_states(self, admitted) -> None:
+        """Hybrid models: sequences admitted over a cached prefix start from its checkpoint."""
+        for seq in admitted:
+            if seq.start_state is not None and seq.phase is Phase.RUNNING and self._recurrent is not None:
+                if seq.start_state.num_tokens != seq.num_cached:
+                    raise RuntimeError(f"sequence {seq.seq_id}: a checkpoint after {seq.start_state.num_tokens}"
+                                       f" tokens for a prefix of {seq.num_cached}")  # fmt: skip
+                await self._executor(self._recurrent.restore_state, seq.seq_id, seq.start_state)
+            seq.start_state = None
+
+    async def _take_checkpoints(self, planned: tuple[PlannedRow, ...]) -> None:
+        """Hybrid models: hand the prefix cache the state of sequences whose row just ended at
+        their `checkpoint_at` (no step is in flight here: prefill rows are never looked ahead)."""
+        for planned_row in planned:
+            seq = planned_row.seq
+            if not seq.checkpoint_at or seq.num_cached != seq.checkpoint_at or seq.phase is not Phase.RUNNING:
+                continue
+            seq.checkpoint_at = 0
+            snapshot = await self._executor(self._recurrent.snapshot_state, seq.seq_id)
+            try:
+                self._state.prefix.keep_checkpoint(seq, snapshot)
+            except Exception:
+                log.exception("request %s: the prefix cache failed to take its checkpoint", seq.request.request_id)
 
     def _admit(self, seq: Sequence) -> None:
         state = self._state

@@ -11,8 +11,10 @@ state) with gated full-attention layers (partial RoPE, an output gate). Here:
   [gdn layers, slots, Hv, dk, dv] (float32) and, on the host, which slot each sequence holds
   and how many tokens its state has seen. A row at position 0 takes a slot (its own again on a
   replay), every later row must start where its state ends (the reference StateStore's rule,
-  checked before anything is launched), `release` frees the slot for another sequence. One
-  spare slot more takes the writes of graph buckets' padding rows.
+  checked before anything is launched), `release` frees the slot for another sequence;
+  `snapshot` copies a slot to the host and `restore` writes one back (into any sequence's
+  slot: a resumed pause, a prefix-cache checkpoint). One spare slot more takes the writes of
+  graph buckets' padding rows.
 - `HybridForward`: the launch sequence. GDN layers: RMSNorm, one fused projection
   (qkv | z | beta | alpha), the causal conv, the delta rule (decode kernels when every row is
   one token continuing a state, else the prefill kernels, which take any mix of rows), the
@@ -32,6 +34,7 @@ import attrs
 import numpy as np
 from numba import cuda
 
+from ninfer.core.runner import StateSnapshot
 from ninfer.gpu import gdn as gdn_ref
 from ninfer.gpu.cuda.buckets import bucket, token_bucket, warm_rows, zeros
 from ninfer.gpu.cuda.device_weights import DeviceWeight
@@ -139,7 +142,7 @@ class StatePool:
                 where = "none" if held is None else f"one after {held.num_tokens} tokens"
                 raise ValueError(
                     f"sequence {row.seq_id} continues at position {row.start_pos}, but its recurrent state is"
-                    f" {where} (hybrid models cannot start mid-sequence: no prefix reuse, pauses replay)"
+                    f" {where} (a hybrid sequence continues only from its own state, or one restored into it)"
                 )
             else:
                 slots[row.seq_id] = held.slot
@@ -167,6 +170,48 @@ class StatePool:
     def clear(self) -> None:
         self._held.clear()
         self._free = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's state (one slot over every GDN layer)."""
+        return self.nbytes // (self.num_slots + 1)
+
+    def snapshot(self, seq_id: int, stream) -> StateSnapshot:
+        """A sequence's state copied to the host after the queued steps (waits for the stream):
+        (conv [layers, K - 1, C], ssm [layers, Hv, dk, dv]) float32; ValueError when it holds none."""
+        held = self._held.get(seq_id)
+        if held is None:
+            raise ValueError(f"sequence {seq_id} holds no recurrent state to snapshot")
+        conv = np.empty((len(self.conv_layers), *self.conv.shape[2:]), np.float32)
+        ssm = np.empty((len(self.ssm_layers), *self.ssm.shape[2:]), np.float32)
+        for j, (c, s) in enumerate(zip(self.conv_layers, self.ssm_layers, strict=True)):
+            c[held.slot].copy_to_host(ary=conv[j], stream=stream)
+            s[held.slot].copy_to_host(ary=ssm[j], stream=stream)
+        stream.synchronize()
+        return StateSnapshot(held.num_tokens, (conv, ssm))
+
+    def restore(self, seq_id: int, snapshot: StateSnapshot, stream) -> None:
+        """Write a snapshot into the sequence's slot (taking a free one where it holds none),
+        queued after the steps before it; its next row starts at `snapshot.num_tokens`."""
+        conv, ssm = (np.ascontiguousarray(a, np.float32) for a in snapshot.arrays)
+        if conv.shape != (len(self.conv_layers), *self.conv.shape[2:]) or ssm.shape != (
+            len(self.ssm_layers), *self.ssm.shape[2:]
+        ):
+            raise ValueError(f"a state snapshot of shapes {conv.shape}, {ssm.shape} does not fit this model")
+        held = self._held.get(seq_id)
+        if held is None:
+            if not self._free:
+                raise ValueError(
+                    f"no free recurrent-state slot for sequence {seq_id}: all {self.num_slots} are held"
+                    " (release finished sequences, or size the runner for more)"
+                )
+            held = _Held(self._free.pop(), 0)
+        for j, (c, s) in enumerate(zip(self.conv_layers, self.ssm_layers, strict=True)):
+            c[held.slot].copy_to_device(conv[j], stream=stream)
+            s[held.slot].copy_to_device(ssm[j], stream=stream)
+        stream.synchronize()  # the host arrays may be reused (or freed) once this returns
+        held.num_tokens = snapshot.num_tokens
+        self._held[seq_id] = held
 
     def read(self, seq_id: int, stream) -> gdn_ref.SequenceState | None:
         """A sequence's state copied to the host (waits for the stream)."""

@@ -317,6 +317,28 @@ class CudaRunner:
         tools; waits for the queued steps), or None."""
         return None if self._states is None else self._states.read(seq_id, self.stream)
 
+    @property
+    def state_nbytes(self) -> int:
+        """Bytes of one sequence's recurrent state (0 for dense models)."""
+        return 0 if self._states is None else self._states.state_nbytes
+
+    @property
+    def max_states(self) -> int | None:
+        """Sequences that may hold a recurrent state at once: the state pool's slots."""
+        return None if self._states is None else self._states.num_slots
+
+    def snapshot_state(self, seq_id: int):
+        """The sequence's recurrent state copied to the host (`StateSnapshot`; hybrid.StatePool)."""
+        if self._states is None:
+            raise ValueError("a dense model keeps no recurrent state")
+        return self._states.snapshot(seq_id, self.stream)
+
+    def restore_state(self, seq_id: int, snapshot) -> None:
+        """Write a `StateSnapshot` into the sequence's state slot (hybrid.StatePool)."""
+        if self._states is None:
+            raise ValueError("a dense model keeps no recurrent state")
+        self._states.restore(seq_id, snapshot, self.stream)
+
     def warm_up_hybrid(self, *, max_rows: int, max_context: int | None = None, progress: bool = False) -> int:
         """`warm_up` for hybrid models, whose rows cannot start mid-sequence (the recurrent
         state): compiles their kernels and captures their decode graphs (hybrid.warm_up_hybrid)."""

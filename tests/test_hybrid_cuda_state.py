@@ -1,0 +1,88 @@
+"""The CUDA runner's recurrent-state copies (`snapshot_state` / `restore_state`, hybrid.StatePool)
+under numba's CUDA simulator, in a child process (see tests/test_cuda_hybrid.py, whose tiny
+model and helpers this reuses), against the ReferenceRunner:
+
+a prompt's state copied to the host matches the reference's; a sequence rewound to it, and a
+new sequence started from it at that position (its own slot), sample what the sequence did the
+first time; a full pool refuses a restore into a new sequence; a snapshot of a sequence that
+holds no state is refused.
+
+    python tests/test_hybrid_cuda_state.py     # prints {"state_copies": "ok" | traceback}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+def check_state_copies() -> None:
+    from test_cuda_hybrid import _refused, _row, _runners, _same, _setup
+
+    spec, model, kv, rtol = _setup("tiny", num_layers=2)
+    cr, rr = _runners(model, kv, max_sequences=2)
+    prompt = np.random.default_rng(5).integers(0, spec.vocab_size, 6)
+    (tok,) = _same(cr, rr, [_row(1, prompt, 0)], rtol, "prefill")
+    got, want = cr.snapshot_state(1), rr.snapshot_state(1)
+    assert got.num_tokens == want.num_tokens == 6 and got.nbytes == want.nbytes == cr.state_nbytes
+    for g, w in zip(got.arrays, want.arrays, strict=True):
+        assert g.shape == w.shape and np.abs(g - w).max() <= rtol * max(np.abs(w).max(), 1.0)
+    first = cr.step([_row(1, [tok], 6, index=1)])[0]
+    cr.restore_state(1, got)  # rewound: its own slot, from the copy
+    again = cr.step([_row(1, [tok], 6, index=1)])[0]
+    np.testing.assert_array_equal(again.logits, first.logits)
+    # a new sequence over the same pages (seq 5's table is seq 1's), from the copy, in its own slot
+    cr.restore_state(5, got)
+    assert cr.num_recurrent_states == 2
+    rr.restore_state(5, want)
+    other = _same(cr, rr, [_row(5, [tok], 6, index=1)], rtol, "a new sequence from the copy")
+    assert other == [first.token_id]
+    try:
+        cr.restore_state(9, got)
+    except ValueError as e:
+        assert "no free recurrent-state slot" in str(e), e
+    else:
+        raise AssertionError("a restore into a full pool was not refused")
+    cr.release_sequence(5)
+    _refused(cr, [_row(5, [tok], 7)], "its recurrent state is none")
+    try:
+        cr.snapshot_state(5)
+    except ValueError as e:
+        assert "no recurrent state" in str(e), e
+    else:
+        raise AssertionError("a snapshot of a released sequence was not refused")
+
+
+def run() -> dict[str, str]:
+    try:
+        check_state_copies()
+        return {"state_copies": "ok"}
+    except Exception:  # noqa: BLE001 - reported to the test
+        return {"state_copies": traceback.format_exc()}
+
+
+def test_cuda_state_copies_under_the_simulator():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve())], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        pytest.fail(f"the simulator child printed no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1])["state_copies"]
+    assert result == "ok", result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        from cuda.simfast import speed_up_simulator
+
+        speed_up_simulator()
+    print(json.dumps(run()))
