@@ -18,8 +18,9 @@ from heldout import HELDOUT_TEXT
 from tiny_models import tiny_llama
 
 from ninfer.cpu.blocks import BLOCK_BYTES, F16_TABLE, QTYPES
-from ninfer.cpu.gemm import gemm_half, gemm_q8, quantize_rows, quantize_rows_ref
-from ninfer.cpu.matrix import QuantMatrix
+from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
+from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, quantize_rows, quantize_rows_ref
+from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.cpu.runner import CpuRunner
 from ninfer.gpu import quality
 from ninfer.gpu.reference import ReferenceRunner
@@ -48,10 +49,17 @@ def stored(qtype: str, rows: int, cols: int, seed: int = 0) -> StoredTensor:
     return StoredTensor(qtype, (rows, cols), blocks.reshape(rows, -1))
 
 
+def readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view, as `QuantMatrix` hands the kernels (one compiled specialization)."""
+    view = a.view()
+    view.flags.writeable = False
+    return view
+
+
 def q8_product(tensor: StoredTensor, x: np.ndarray, num_threads: int) -> np.ndarray:
     xq, xd, xs = quantize_rows_ref(x)
     out = np.full((x.shape[0], tensor.shape[0] + 3), np.nan, np.float32)
-    gemm_q8(xq, xd, xs, tensor.data, QTYPES[tensor.qtype], F16_TABLE, out, 3, num_threads)
+    gemm_q8(xq, xd, xs, readonly(tensor.data), QTYPES[tensor.qtype], F16_TABLE, out, 3, num_threads)
     assert np.isnan(out[:, :3]).all(), "the kernel wrote outside its columns"
     return out[:, 3:]
 
@@ -103,6 +111,52 @@ def test_a_batched_row_gets_what_it_gets_alone(qtype):
         np.testing.assert_allclose(alone, together[t], rtol=0, atol=1e-5 * np.abs(together).max())
 
 
+@pytest.mark.parametrize("qtype", list(QTYPES))
+def test_dequantize_rows_is_gguf_bit_for_bit(qtype):
+    """The prefill path's dequantizer (chunks of rows for BLAS) against gguf's numpy one."""
+    tensor = stored(qtype, 9, 512, seed=3)
+    out = np.full((5, 512), np.nan, np.float32)
+    dequantize_rows(readonly(tensor.data), QTYPES[qtype], F16_TABLE, out, 2, 7, 2)
+    np.testing.assert_array_equal(out, tensor.dequantize()[2:7])
+
+
+def test_fused_steps_match_the_reference_math():
+    """add_norm_quant / rope_store / swiglu_quant against the reference forward's numpy."""
+    from ninfer.gpu.reference import apply_rope, rms_norm, silu
+
+    rng = np.random.default_rng(7)
+    x, add = (rng.standard_normal((3, 64)).astype(np.float32) for _ in "xa")
+    weight = rng.standard_normal(64).astype(np.float32)
+    new_x, h = np.empty_like(x), np.empty_like(x)
+    xq, xd, xs = np.empty((3, 64), np.int16), np.empty((3, 2), np.float32), np.empty((3, 2), np.float32)
+    add_norm_quant(x, add, weight, np.float32(1e-5), new_x, h, xq, xd, xs)
+    np.testing.assert_array_equal(new_x, x + add)
+    np.testing.assert_allclose(h, rms_norm(x + add, weight, 1e-5), rtol=1e-5, atol=1e-6)
+    want_q, want_d, _ = quantize_rows_ref(h)
+    assert np.abs(xq.astype(int) - want_q).max() <= 1 and np.allclose(xd, want_d, rtol=1e-6)
+
+    heads, kv_heads, head_dim, half = 4, 2, 16, 8
+    qkv = rng.standard_normal((3, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    angles = rng.random((3, half)).astype(np.float32) * 6
+    cos, sin = np.cos(angles), np.sin(angles)
+    k_pool, v_pool = np.zeros((4, 2, kv_heads, head_dim), np.float32), np.zeros((4, 2, kv_heads, head_dim), np.float32)
+    pages, slots = np.array([3, 0, 3]), np.array([1, 0, 0])
+    q = np.empty((3, heads, head_dim), np.float32)
+    kv_dim = kv_heads * head_dim
+    rope_store(qkv, heads * head_dim, kv_dim, heads, kv_heads, head_dim, cos, sin, k_pool, v_pool, pages, slots, q)
+    rope = (cos[:, None], sin[:, None])
+    np.testing.assert_allclose(q, apply_rope(qkv[:, : heads * head_dim].reshape(3, heads, head_dim), *rope), atol=1e-6)
+    k = apply_rope(qkv[:, heads * head_dim : heads * head_dim + kv_dim].reshape(3, kv_heads, head_dim), *rope)
+    np.testing.assert_allclose(k_pool[pages, slots], k, atol=1e-6)
+    np.testing.assert_array_equal(v_pool[pages, slots], qkv[:, heads * head_dim + kv_dim :].reshape(3, kv_heads, -1))
+
+    gate_up = rng.standard_normal((3, 64)).astype(np.float32) * 30  # exp(-g) overflows for some
+    act = np.empty((3, 32), np.float32)
+    no_rows = np.empty((0, 32), np.int16), np.empty((0, 1), np.float32), np.empty((0, 1), np.float32)
+    swiglu_quant(gate_up, 32, act, *no_rows)
+    np.testing.assert_allclose(act, silu(gate_up[:, :32]) * gate_up[:, 32:], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 @pytest.mark.parametrize(("rows", "cols", "num_tokens"), [(3, 8, 1), (21, 40, 4)])
 def test_half_product_matches_numpy(qtype, rows, cols, num_tokens):
@@ -114,7 +168,7 @@ def test_half_product_matches_numpy(qtype, rows, cols, num_tokens):
         bits = (weights.view(np.uint32) >> 16).astype(np.uint16)
     x = rng.standard_normal((num_tokens, cols)).astype(np.float32)
     out = np.zeros((num_tokens, rows), np.float32)
-    gemm_half(x, bits, qtype == "BF16", F16_TABLE, out, 0, 2)
+    gemm_half(x, readonly(bits), qtype == "BF16", F16_TABLE, out, 0, 2)
     want = x @ StoredTensor(qtype, (rows, cols), bits if qtype == "BF16" else bits.view(np.float16)).dequantize().T
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
@@ -128,12 +182,24 @@ def test_a_stacked_matrix_of_mixed_types_multiplies_and_looks_up_rows():
     parts.append(StoredTensor("F16", (4, 256), rng.standard_normal((4, 256)).astype(np.float16)))
     matrix = QuantMatrix(parts)
     dense = np.concatenate([p.dequantize() for p in parts])
-    x = rng.standard_normal((3, 256)).astype(np.float32)
-    got = x @ matrix.T
-    assert got.shape == (3, 22) and matrix.shape == (22, 256)
-    assert np.abs(got - x @ dense.T).max() < 0.03 * np.abs(x @ dense.T).max()
+    for num_tokens in (3, BLAS_FROM):  # the q8 kernels, and BLAS over dequantized chunks
+        x = rng.standard_normal((num_tokens, 256)).astype(np.float32)
+        got = x @ matrix.T
+        assert got.shape == (num_tokens, 22) and matrix.shape == (22, 256)
+        tolerance = 0.03 if num_tokens < BLAS_FROM else 1e-5
+        assert np.abs(got - x @ dense.T).max() < tolerance * np.abs(x @ dense.T).max()
     rows = np.array([21, 0, 9, 14, 13])
     np.testing.assert_array_equal(matrix[rows], dense[rows])
+
+
+def test_parts_back_to_back_in_one_buffer_become_one_part():
+    """gate / up lie one after the other in a GGUF file: one view over both, no copy."""
+    both = stored("Q4_1", 12, 256, 5)
+    gate, up = (StoredTensor("Q4_1", (6, 256), both.data[rows]) for rows in (slice(0, 6), slice(6, 12)))
+    matrix = QuantMatrix([gate, up])
+    assert len(matrix.parts) == 1 and np.shares_memory(matrix.parts[0].data, both.data)
+    x = np.random.default_rng(0).standard_normal((2, 256)).astype(np.float32)
+    np.testing.assert_array_equal(x @ matrix.T, x @ QuantMatrix([both]).T)
 
 
 def test_paged_attention_matches_the_reference_runner():

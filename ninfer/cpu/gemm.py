@@ -20,10 +20,11 @@ goes to BLAS.
 Threads split the output rows into one contiguous range each (`num_threads`: the caller
 passes `numba.get_num_threads()`, which a disk-cached function may not call itself).
 
-Codegen: the block loops are short and fixed (16 or 32), so LLVM unrolls them fully before
-its loop vectorizer runs; only the SLP vectorizer, off in numba by default, packs them into
-AVX2 lanes (about 2x on a decode step). It is turned on here, for every CPU function numba
-compiles from now on in this process (it changes code generation, not results).
+Codegen: each block is read into one `<32 x i16>` codes vector and dotted into an 8-lane
+float accumulator (`simd.py`, LLVM vector IR: vpmaddwd + vcvtdq2ps + vfmadd on AVX2), reduced
+once per row. The SLP vectorizer stays on for the scalar kernels here (it changes code
+generation, not results). Prefill products do not come here: `matrix.py` hands them to BLAS
+over rows `dequantize_rows` decodes into a scratch.
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ninfer.cpu.blocks import block_dot, decode_block
+from ninfer.cpu.blocks import _signed, block_header
+from ninfer.cpu.simd import (
+    acc_sum, acc_zero, codes_dequantize, codes_fifth_bits, codes_int8, codes_load, codes_nibbles, codes_q6k, codes_shifted,
+    codes_store, dot_acc,
+)
 
 numba.config.SLP_VECTORIZE = True
 # From this many activation rows a weight row is decoded once into int16 codes and reused;
 # below it, the fused block dot (which decodes as it multiplies) is faster.
-_DECODE_ONCE_FROM = 4
+_DECODE_ONCE_FROM = 2
 
 
 @njit(cache=True, fastmath=True)
@@ -64,33 +69,61 @@ def quantize_rows(x, xq, xd, xs):
             xs[t, b] = d * np.float32(total)
 
 
+@njit(inline="always")
+def block_codes(src, qtype, b, table):
+    """(codes, scale, low) of 32-block b of a stored row: weight j = scale * codes[j] + low,
+    codes as a `simd.Codes` vector (Q4_0 / Q5_0 read unsigned, their offset moved into low)."""
+    c0, c1, scale, low = block_header(src, qtype, b, table)
+    if qtype <= 3:
+        codes = codes_nibbles(src, c0)
+        if qtype >= 2:
+            codes = codes_fifth_bits(codes, c1)
+        if qtype == 0:
+            low = np.float32(-8.0) * scale
+        elif qtype == 2:
+            low = np.float32(-16.0) * scale
+    elif qtype == 4:
+        codes = codes_int8(src, c0)
+    elif qtype == 5:
+        codes = codes_shifted(src, c0, c1)
+    else:  # Q6_K: see blocks.block_code; quarter c1 of the super-block at c0
+        h, r = c1 >> 2, (c1 & 3) * 32
+        at = c0 + 192 + c1 * 2
+        codes = codes_q6k(src, c0 + h * 64 + (r & 63), 4 * (r >> 6), c0 + 128 + h * 32, 2 * (c1 & 3),
+                          np.int64(_signed(src[at])), np.int64(_signed(src[at + 1])))  # fmt: skip
+    return codes, scale, low
+
+
 @njit(inline="always", fastmath=True)
 def _rows(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
     num_tokens, n = xq.shape
-    if num_tokens < _DECODE_ONCE_FROM:  # fused: each token re-reads the block's bytes (in L1)
+    nb = n // 32
+    if num_tokens < _DECODE_ONCE_FROM:  # each token re-reads the block's bytes (in L1)
         for o in range(lo, hi):
             src = data[o]
             for t in range(num_tokens):
-                acc = np.float32(0.0)
-                for b in range(n // 32):
-                    isum, scale, low = block_dot(src, qtype, b, xq[t], b * 32, table)
-                    acc += scale * xd[t, b] * np.float32(isum) + low * xs[t, b]
-                out[t, col0 + o] = acc
+                x = xq[t]
+                acc, low_sum = acc_zero(), np.float32(0.0)
+                for b in range(nb):
+                    codes, scale, low = block_codes(src, qtype, b, table)
+                    acc = dot_acc(acc, codes, x, b * 32, scale * xd[t, b])
+                    low_sum += low * xs[t, b]
+                out[t, col0 + o] = acc_sum(acc) + low_sum
         return
-    codes = np.empty(n, np.int16)  # batches and prefill: decode each row once, dot every token
-    scales, lows = np.empty(n // 32, np.float32), np.empty(n // 32, np.float32)
+    codes_buf = np.empty(n, np.int16)  # batches and prefill: decode each row once, dot every token
+    scales, lows = np.empty(nb, np.float32), np.empty(nb, np.float32)
     for o in range(lo, hi):
         src = data[o]
-        for b in range(n // 32):
-            scales[b], lows[b] = decode_block(src, qtype, b, table, codes, b * 32)
+        for b in range(nb):
+            codes, scales[b], lows[b] = block_codes(src, qtype, b, table)
+            codes_store(codes_buf, b * 32, codes)
         for t in range(num_tokens):
-            acc = np.float32(0.0)
-            for b in range(n // 32):
-                isum = np.int32(0)  # int32 throughout: LLVM then uses pmaddwd
-                for j in range(b * 32, b * 32 + 32):
-                    isum = np.int32(isum + np.int32(codes[j]) * np.int32(xq[t, j]))
-                acc += scales[b] * xd[t, b] * np.float32(isum) + lows[b] * xs[t, b]
-            out[t, col0 + o] = acc
+            x = xq[t]
+            acc, low_sum = acc_zero(), np.float32(0.0)
+            for b in range(nb):
+                acc = dot_acc(acc, codes_load(codes_buf, b * 32), x, b * 32, scales[b] * xd[t, b])
+                low_sum += lows[b] * xs[t, b]
+            out[t, col0 + o] = acc_sum(acc) + low_sum
 
 
 # One compiled row loop per type, each with its type code constant, so each holds only its own
@@ -153,6 +186,22 @@ def gemm_q8(xq, xd, xs, data, qtype, table, out, col0, num_threads):
             _rows_q4_k(xq, xd, xs, data, table, out, col0, lo, hi)
         else:
             _rows_q6_k(xq, xd, xs, data, table, out, col0, lo, hi)
+
+
+@njit(parallel=True, cache=True)
+def dequantize_rows(data, qtype, table, out, lo, hi, num_threads):
+    """out[o - lo] = float32 weights of stored row o (type code `qtype`), o in lo .. hi - 1:
+    bit for bit what gguf's dequantizer gives. Prefill products dequantize a chunk of rows
+    into a small scratch and hand it to BLAS."""
+    n = out.shape[1]
+    num_rows = hi - lo
+    num_threads = max(1, min(num_threads, num_rows))
+    for tid in prange(num_threads):
+        for o in range(lo + tid * num_rows // num_threads, lo + (tid + 1) * num_rows // num_threads):
+            src, row = data[o], out[o - lo]
+            for b in range(n // 32):
+                codes, scale, low = block_codes(src, qtype, b, table)
+                codes_dequantize(row, b * 32, codes, scale, low)
 
 
 @njit(cache=True, fastmath=True)

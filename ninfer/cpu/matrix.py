@@ -19,17 +19,48 @@ import numba
 import numpy as np
 
 from ninfer.cpu.blocks import F16_TABLE, QTYPES
-from ninfer.cpu.gemm import gemm_half, gemm_q8, quantize_rows
+from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, quantize_rows
 from ninfer.models.weights import StoredTensor
+
+# From this many activation rows (a prefill) a product dequantizes W chunk by chunk for BLAS,
+# whose float32 GEMM then beats the q8 kernels (which pay per row and token); fewer rows
+# (decode, batches of streams) take the q8 kernels, which read each weight byte once.
+BLAS_FROM = 16
+SCRATCH_BYTES = 1 << 20
 
 
 def _kernel_ready(tensor: StoredTensor) -> StoredTensor:
     """The tensor as the kernels read it: plain-ndarray views of the stored bytes (a memmap
     stays a mapping); types without a kernel (Q2_K, Q3_K, Q5_K) are dequantized to F32."""
     if tensor.qtype in QTYPES or tensor.qtype in ("F16", "BF16"):
-        data = np.asarray(tensor.data)
-        return StoredTensor(tensor.qtype, tensor.shape, data.reshape(tensor.shape[0], -1))
+        data = np.ascontiguousarray(tensor.data).reshape(tensor.shape[0], -1).view()
+        data.flags.writeable = False  # one compiled kernel for file maps and copies alike
+        return StoredTensor(tensor.qtype, tensor.shape, data)
     return StoredTensor("F32", tensor.shape, tensor.dequantize())
+
+
+def _root(a: np.ndarray):
+    while isinstance(a, np.ndarray) and a.base is not None:
+        a = a.base
+    return a
+
+
+def _merged(parts: list[StoredTensor]) -> list[StoredTensor]:
+    """Neighbouring quantized parts of one type that lie back to back in one buffer (gate /
+    up in a GGUF file) as one part: a view over both, no copy, one kernel call."""
+    out = parts[:1]
+    for part in parts[1:]:
+        last = out[-1]
+        a, b = last.data, part.data
+        if (part.qtype == last.qtype and part.qtype in QTYPES and a.shape[1] == b.shape[1]
+                and a.flags.c_contiguous and b.flags.c_contiguous and _root(a) is _root(b)
+                and a.__array_interface__["data"][0] + a.nbytes == b.__array_interface__["data"][0]):  # fmt: skip
+            rows = a.shape[0] + b.shape[0]
+            both = np.lib.stride_tricks.as_strided(a, (rows, a.shape[1]), a.strides, writeable=False)
+            out[-1] = StoredTensor(part.qtype, (rows, last.shape[1]), both)
+        else:
+            out.append(part)
+    return out
 
 
 class QuantMatrix:
@@ -38,7 +69,7 @@ class QuantMatrix:
     __array_ufunc__ = None  # numpy defers `@` to our __rmatmul__
 
     def __init__(self, parts: Sequence[StoredTensor]):
-        self.parts = [_kernel_ready(p) for p in parts]
+        self.parts = _merged([_kernel_ready(p) for p in parts])
         if len({p.shape[1] for p in self.parts}) != 1:
             raise ValueError(f"stacked parts disagree on their input size: {[p.shape for p in self.parts]}")
         self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
@@ -69,12 +100,19 @@ class QuantMatrix:
             start += part.shape[0]
         return out
 
-    def matmul_t(self, x: np.ndarray) -> np.ndarray:
-        """x [T, in] @ W.T -> float32 [T, out]."""
+    def matmul_t(self, x: np.ndarray, q8=None) -> np.ndarray:
+        """x [T, in] @ W.T -> float32 [T, out]: the q8 kernels for a few rows (decode), BLAS
+        over dequantized chunks of W from `BLAS_FROM` rows on (prefill). `q8`: x's codes
+        (xq, xd, xs) when the caller quantized it already (`fused.py`)."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1, self.shape[1])
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
         threads = numba.get_num_threads()
-        if self._quantized:  # quantize the activations once for every quantized part
+        if x.shape[0] >= BLAS_FROM:
+            self._matmul_blas(x, out, threads)
+            return out
+        if q8 is not None and q8[0].shape[0] == x.shape[0]:
+            xq, xd, xs = q8
+        elif self._quantized:  # quantize the activations once for every quantized part
             nb = self.shape[1] // 32
             xq = np.empty(x.shape, np.int16)
             xd, xs = np.empty((x.shape[0], nb), np.float32), np.empty((x.shape[0], nb), np.float32)
@@ -90,6 +128,30 @@ class QuantMatrix:
                 gemm_half(x, bits, part.qtype == "BF16", F16_TABLE, out, col, threads)
             col += part.shape[0]
         return out
+
+    def _matmul_blas(self, x: np.ndarray, out: np.ndarray, threads: int) -> None:
+        """Float activations against chunks of rows dequantized into one small scratch (about
+        `SCRATCH_BYTES`), each chunk one BLAS product: memory stays at the stored size."""
+        n = self.shape[1]
+        chunk = max(8, SCRATCH_BYTES // (4 * n))
+        scratch = None
+        col = 0
+        for part in self.parts:
+            rows = part.shape[0]
+            if part.qtype == "F32":
+                out[:, col : col + rows] = x @ part.data.T
+            else:
+                if scratch is None:
+                    scratch = np.empty((min(chunk, max(p.shape[0] for p in self.parts)), n), np.float32)
+                for lo in range(0, rows, chunk):
+                    hi = min(rows, lo + chunk)
+                    w = scratch[: hi - lo]
+                    if part.qtype in QTYPES:
+                        dequantize_rows(part.data, QTYPES[part.qtype], F16_TABLE, w, lo, hi, threads)
+                    else:
+                        w[:] = StoredTensor(part.qtype, (hi - lo, n), part.data[lo:hi]).dequantize()
+                    out[:, col + lo : col + hi] = x @ w.T
+            col += rows
 
 
 class _Transposed:

@@ -24,7 +24,8 @@ import numpy as np
 
 from ninfer.core.runner import SampledToken, StepRow
 from ninfer.cpu.attention import paged_attention
-from ninfer.cpu.matrix import QuantMatrix
+from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
+from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.gpu.blas import available_cores
 from ninfer.gpu.reference import ReferenceRunner, spec_and_weights
 from ninfer.models.weights import ModelWeights, StoredTensor
@@ -45,6 +46,17 @@ def default_num_threads() -> int:
     if chosen:
         logger.warning("ignoring NINFER_CPU_THREADS=%r: it takes a whole number of threads >= 1", chosen)
     return max(1, min(available_cores() - 1, numba.config.NUMBA_NUM_THREADS))
+
+
+_NO_ROWS = np.zeros((0, 0), np.float32)
+
+
+def _q8(num_tokens: int, width: int, quantize: bool):
+    """Buffers for the q8 codes of [num_tokens, width] activations (no rows: not wanted)."""
+    rows = num_tokens if quantize else 0
+    return np.empty((rows, width), np.int16), np.empty((rows, width // 32), np.float32), np.empty(
+        (rows, width // 32), np.float32
+    )
 
 
 @attrs.frozen(eq=False)
@@ -77,6 +89,38 @@ class CpuRunner(ReferenceRunner):
     def _step(self, rows: Sequence[StepRow]) -> list[SampledToken | None]:
         numba.set_num_threads(self.num_threads)
         return super()._step(rows)
+
+    def _layer_forward(self, layer, x: np.ndarray, rows, batch) -> np.ndarray:
+        """The reference's layer (same math, same order), its steps between the products fused
+        (`fused.py`) and each product's input quantized once, by the step that makes it."""
+        spec, mixer = self.spec, layer.mixer
+        if mixer.q_norm is not None or spec.has_attn_gate or spec.rotary_dim != spec.head_dim:
+            return super()._layer_forward(layer, x, rows, batch)  # qwen3's q/k norms: numpy glue
+        num_tokens, eps = x.shape[0], np.float32(spec.rms_eps)
+        quantize = num_tokens < BLAS_FROM  # else the products take float x (BLAS)
+        q8_model, q8_ffn = _q8(num_tokens, spec.d_model, quantize), _q8(num_tokens, spec.d_ffn, quantize)
+        h = np.empty_like(x)
+        add_norm_quant(x, _NO_ROWS, layer.attn_norm, eps, x, h, *q8_model)
+        qkv = mixer.w_qkv.matrix.matmul_t(h, q8_model)
+        if mixer.b_qkv is not None:
+            qkv += mixer.b_qkv
+        q = np.empty((num_tokens, spec.num_heads, spec.head_dim), np.float32)
+        rope_store(qkv, spec.q_dim, spec.kv_dim, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                   np.ascontiguousarray(batch.cos[:, 0]), np.ascontiguousarray(batch.sin[:, 0]),
+                   self._k[layer.slot], self._v[layer.slot], batch.pages, batch.slots, q)  # fmt: skip
+        attn = np.empty((num_tokens, spec.q_dim), np.float32)
+        for r in batch.multi_rows:
+            lo, hi = batch.row_starts[r], batch.row_starts[r + 1]
+            attn[lo:hi] = self._attend(layer.slot, rows[r], q[lo:hi])
+        if batch.single_tokens.size:
+            attn[batch.single_tokens] = self._attend_singles(layer.slot, q[batch.single_tokens], batch)
+        new_x = np.empty_like(x)
+        add_norm_quant(x, mixer.w_o.matrix.matmul_t(attn), layer.ffn_norm, eps, new_x, h, *q8_model)
+        gate_up = layer.w_gate_up.matrix.matmul_t(h, q8_model)
+        act = np.empty((num_tokens, spec.d_ffn), np.float32)
+        swiglu_quant(gate_up, spec.d_ffn, act, *q8_ffn)
+        new_x += layer.w_down.matrix.matmul_t(act, q8_ffn)
+        return new_x
 
     def _attend(self, slot: int, row: StepRow, q: np.ndarray) -> np.ndarray:
         """A prefill row's causal attention: query i (position start_pos + i) sees positions
