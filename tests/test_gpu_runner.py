@@ -127,6 +127,7 @@ def test_random_models_of_real_shapes_match_reference(shape, qtype, layers, tol)
 @gpu
 @pytest.mark.gpu
 def test_graph_replay_is_identical_to_eager_launches():
+    from ninfer.gpu.cuda.plan import KernelPlan
     from ninfer.gpu.cuda.random_model import random_model, random_spec
     from ninfer.gpu.cuda.runner import CudaRunner
     from ninfer.core.params import SamplingParams
@@ -137,8 +138,8 @@ def test_graph_replay_is_identical_to_eager_launches():
     prompts = [rng.integers(0, 49152, n).astype(np.int32) for n in (9, 30, 4, 17, 2)]
     params = SamplingParams(temperature=0.8, top_p=0.9)
 
-    def run(use_graphs):
-        runner = CudaRunner(model, num_pages=64, page_size=16, max_batch_rows=8, use_graphs=use_graphs)
+    def run(use_graphs, plan=None):
+        runner = CudaRunner(model, num_pages=64, page_size=16, max_batch_rows=8, use_graphs=use_graphs, plan=plan)
         tables = [np.arange(8, dtype=np.int32) + 8 * i for i in range(len(prompts))]
         outs = []
         for width in (1, 3, 5):  # buckets 1, 4 (padded) and 8 (padded)
@@ -158,11 +159,14 @@ def test_graph_replay_is_identical_to_eager_launches():
         runner.close()
         return outs
 
-    eager, graphed = run(False), run(True)
-    for a_step, b_step in zip(eager, graphed, strict=True):
-        for a, b in zip(a_step, b_step, strict=True):
-            assert a[:3] == b[:3]
-            assert np.array_equal(a[3], b[3])
+    # graphs captured once and cloned for the other host mirror set (the default), and captured
+    # after an eager run once per mirror set: steps alternate mirror sets, so both graphs replay
+    eager = run(False)
+    for graphed in (run(True), run(True, KernelPlan(capture_once=False))):
+        for a_step, b_step in zip(eager, graphed, strict=True):
+            for a, b in zip(a_step, b_step, strict=True):
+                assert a[:3] == b[:3]
+                assert np.array_equal(a[3], b[3])
 
 
 def _tiny_cuda_model(vocab_size):

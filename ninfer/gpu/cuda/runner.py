@@ -419,6 +419,13 @@ class CudaRunner:
         after an eager run of the step. The other mirror sets' graphs are clones whose copies
         read and write their own host arrays, made now: a capture costs ~0.1 s on an 8B model,
         which must not land in a later step."""
+        if not self.plan.capture_once:  # the eager run, then a capture per mirror set
+            launch()
+            for mm in range(MIRRORS):
+                self.bufs.use_mirror(mm)
+                self._graphs.capture((*key[:-2], mm, key[-1]), launch)
+            self.bufs.use_mirror(m)
+            return
         bound = jit.overloads_bound()
         try:
             self._graphs.capture(key, launch)
