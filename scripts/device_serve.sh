@@ -18,8 +18,8 @@
 #   host    the host path alone: scripts/serve_host_path.py (no model compute, STEP_MS a step)
 #   rerank  scripts/bench_rerank.py (RERANK_DOCS documents, default 256) against `ninfer serve` of this tree
 #   score   `ninfer score` of the held-out text: f32 vs q8 (decode path) and vs the CPU reference backend
-#   warmtime  scripts/warm_time.py (random WARM_SHAPE, no model file) on this tree and the base tree, cold
-#           then warm kernel cache: the runner's start-up A/B
+#   warmtime  scripts/warm_time.py (random WARM_SHAPE, no model file): cold, then warm kernel cache with
+#           KernelPlan.capture_once off and on (the graph recording's A/B)
 #   warmprof  tools/warmup_profile.py twice (cold, then warm kernel cache): cProfile of the warm-up
 #           (WARM_MODEL: default the staged GGUF; "--random smollm2-135m" needs no model file)
 #   tests   the GPU tests (TESTS: pytest arguments)
@@ -137,14 +137,12 @@ if has score; then  # ninfer score: f32 vs q8 through the decode path (KL, top-1
   ninfer "$ROOT" score /tmp/heldout.txt "$GGUF" --backend reference --reference-logits /tmp/f32.safetensors \
     --no-progress 2>&1 | tail -n 12 | tee -a "$OUT/score.txt"
 fi
-if has warmtime; then  # start-up without a model file: scripts/warm_time.py over this tree and the base tree
-  for tree in "$ROOT" /tmp/base; do
-    for run in cold warm; do
-      (cd "$tree" && NINFER_CACHE_DIR=/tmp/ninfer-cache-wt PYTHONPATH=/tmp/site:$tree timeout 300 \
-         python3 "$ROOT/scripts/warm_time.py" --shape ${WARM_SHAPE:-smollm2-135m} 2>&1 | tail -n 3) \
-        | sed "s/^/$([ "$tree" = /tmp/base ] && echo base || echo new) $run: /" | tee -a "$OUT/warmtime.txt"
-    done
-  done
+if has warmtime; then  # start-up without a model file (scripts/warm_time.py): a cold run fills the kernel
+  # cache, then warm runs alternate KernelPlan.capture_once off / on (WARM_REPEATS pairs)
+  wt() { (cd "$ROOT" && NINFER_CACHE_DIR=/tmp/ninfer-cache-wt PYTHONPATH=/tmp/site:$ROOT timeout 300 \
+           python3 scripts/warm_time.py --shape ${WARM_SHAPE:-smollm2-135m} "$@" 2>&1 | tail -n 3) | tee -a "$OUT/warmtime.txt"; }
+  wt --capture-once off
+  for _ in $(seq ${WARM_REPEATS:-2}); do wt --capture-once off; wt --capture-once on; done
 fi
 if has warmprof; then  # where warm-up goes: twice (an empty kernel cache, then the filled one)
   for run in cold warm; do

@@ -8,7 +8,8 @@ this script times any tree:
     PYTHONPATH=path/to/tree python scripts/warm_time.py [--shape smollm2-135m] [--max-concurrency 64]
 
 Run it twice per tree on one machine: the first run fills the kernel cache, the second is
-what a restart pays.
+what a restart pays. `--capture-once on|off` sets the plan's graph recording for an A/B
+within one tree.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--qtype", default="Q4_1")
     ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--capture-once", choices=("on", "off"), help="KernelPlan.capture_once (default: the plan's)")
     args = ap.parse_args()
 
     from ninfer import runtime
@@ -35,10 +37,14 @@ def main() -> None:
     t1 = time.perf_counter()
     options = runtime.RuntimeOptions(backend="cuda")
     runner, backend, config = runtime.create_runner(model, options, EngineConfig(max_concurrency=args.max_concurrency))
+    if args.capture_once:
+        import attrs
+
+        runner.set_plan(attrs.evolve(runner.plan, capture_once=args.capture_once == "on"))
     t2 = time.perf_counter()
     runtime.warm_up(runner, backend, config)
     t3 = time.perf_counter()
-    print(f"draw {t1 - t0:.2f} s, create_runner {t2 - t1:.2f} s, warm_up {t3 - t2:.2f} s; "
+    print(f"capture_once {runner.plan.capture_once}: draw {t1 - t0:.2f} s, create_runner {t2 - t1:.2f} s, warm_up {t3 - t2:.2f} s; "
           f"{runtime.kernel_cache_summary()}")  # fmt: skip
     runner.close()
 
