@@ -211,7 +211,7 @@ def run_checks(scale: str, names) -> dict[str, str]:
 
 
 JOB = child_jobs.simulator_job("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS], 900,
-                               __name__)
+                               __name__, cost_s=200)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ FLOAT = ("F32", "F16", "BF16")
 JOBS = {
     cc: child_jobs.register(f"ptx_{cc}", [sys.executable, str(HERE / "cuda" / "ptx.py"), cc],
                             {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}, timeout_s=1200,
-                            module=__name__, fixture="reports")  # fmt: skip
+                            module=__name__, fixture="reports",
+                            cost_s=300)  # fmt: skip
     for cc in TARGETS
 }
 
