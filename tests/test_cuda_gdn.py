@@ -180,7 +180,7 @@ def test_reference_chunks_equal_token_by_token():
     close(chunked_conv, stepped_conv, 0.0)
 
 
-JOB = child_jobs.simulator_job("gdn_checks", [sys.executable, str(CHECKS), "tiny", *GDN_CHECKS], 600, __name__,
+JOB = child_jobs.simulator_job("gdn_checks", [sys.executable, str(CHECKS), "tiny", *GDN_CHECKS], 1200, __name__,
                                cost_s=20)
 
 

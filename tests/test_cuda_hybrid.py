@@ -210,7 +210,7 @@ def run_checks(scale: str, names) -> dict[str, str]:
 # -- pytest --------------------------------------------------------------------------------------
 
 
-JOB = child_jobs.simulator_job("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS], 900,
+JOB = child_jobs.simulator_job("hybrid_checks", [sys.executable, str(Path(__file__).resolve()), "tiny", *CHECKS], 1800,
                                __name__, cost_s=200)
 
 

@@ -30,7 +30,7 @@ GROUPS = {"runner": ["runner"], "steps": ["lookahead", "positions"]}
 GROUPS["kernels"] = [name for name in CHECK_NAMES if name not in {n for g in GROUPS.values() for n in g}]
 COSTS = {"runner": 640, "steps": 610, "kernels": 400}
 JOBS = [
-    child_jobs.simulator_job(f"kernel_checks_{group}", [sys.executable, str(CHECKS), "tiny", *names], 1800, __name__,
+    child_jobs.simulator_job(f"kernel_checks_{group}", [sys.executable, str(CHECKS), "tiny", *names], 2400, __name__,
                              cost_s=COSTS[group])  # fmt: skip
     for group, names in GROUPS.items()
 ]

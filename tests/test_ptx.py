@@ -30,7 +30,7 @@ FLOAT = ("F32", "F16", "BF16")
 # one child per target, in the background while the rest of the suite runs (child_jobs.py)
 JOBS = {
     cc: child_jobs.register(f"ptx_{cc}", [sys.executable, str(HERE / "cuda" / "ptx.py"), cc],
-                            {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}, timeout_s=1200,
+                            {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}, timeout_s=2400,
                             module=__name__, fixture="reports",
                             cost_s=300)  # fmt: skip
     for cc in TARGETS
