@@ -121,7 +121,8 @@ class Stepper:
         for seq in plan.admits:
             if seq.phase is Phase.WAITING:
                 self._admit(seq)
-        await self._start_states(plan.admits)
+        if self._recurrent is not None:  # hybrids: admitted sequences start from a cache checkpoint
+            await self._start_states(plan.admits)
         if plan.rows:
             await self._run_rows(plan.rows)
             if self._recurrent is not None:
@@ -245,7 +246,7 @@ class Stepper:
     async def _start_states(self, admitted) -> None:
         """Hybrid models: sequences admitted over a cached prefix start from its checkpoint."""
         for seq in admitted:
-            if seq.start_state is not None and seq.phase is Phase.RUNNING and self._recurrent is not None:
+            if seq.start_state is not None and seq.phase is Phase.RUNNING:
                 if seq.start_state.num_tokens != seq.num_cached:
                     raise RuntimeError(f"sequence {seq.seq_id}: a checkpoint after {seq.start_state.num_tokens}"
                                        f" tokens for a prefix of {seq.num_cached}")  # fmt: skip
