@@ -219,7 +219,7 @@ def _add_floor(results: dict, spec, runner) -> None:
     over that bandwidth (the floor)."""
     kv_item = getattr(runner, "kv_dtype", np.dtype(np.float32)).itemsize
     weights = results["weight_bytes"]
-    state = 2 * len(spec.gdn_layers) * spec.gdn.state_nbytes(4) if spec.is_hybrid else 0
+    state = 2 * spec.recurrent_state_nbytes(4)  # 0 for dense models
     for d in results["decode"]:
         kv = d["streams"] * (spec.kv_bytes_per_token(kv_item) * (d["context"] - d["tokens"] / 2) + state)
         step_s = d["seconds"] / d["tokens"]
