@@ -25,14 +25,14 @@ def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, 
     page_size = k_pool.shape[1]
     for task in prange(num_queries * num_heads):
         i, h = task // num_heads, task % num_heads
-        kv, n, table = h // group, lengths[i], tables[table_of[i]]
+        kv, n, table = h // group, lengths[i], tables[table_of[i]]  # one view per task
         scores = np.empty(n, np.float32)
         best = _LOWEST
-        for p in range(n):
-            key = k_pool[table[p // page_size], p % page_size, kv]
+        for p in range(n):  # indexed in place: a view per position costs two runtime calls
+            page, slot = table[p // page_size], p % page_size
             s = np.float32(0.0)
             for d in range(head_dim):
-                s += q[i, h, d] * key[d]
+                s += q[i, h, d] * k_pool[page, slot, kv, d]
             scores[p] = s * scale
             best = max(best, scores[p])
         total = np.float32(0.0)
@@ -41,8 +41,8 @@ def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, 
             total += scores[p]
         acc = np.zeros(head_dim, np.float32)
         for p in range(n):
-            value = v_pool[table[p // page_size], p % page_size, kv]
+            page, slot, weight = table[p // page_size], p % page_size, scores[p]
             for d in range(head_dim):
-                acc[d] += scores[p] * value[d]
+                acc[d] += weight * v_pool[page, slot, kv, d]
         for d in range(head_dim):
             out[i, h, d] = acc[d] / total

@@ -74,6 +74,12 @@ class QuantMatrix:
             raise ValueError(f"stacked parts disagree on their input size: {[p.shape for p in self.parts]}")
         self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
         self._quantized = any(p.qtype in QTYPES for p in self.parts)
+        # the quantized parts, for one kernel call: their data, type codes and first columns
+        starts = np.cumsum([0] + [p.shape[0] for p in self.parts])[:-1]
+        mine = [i for i, p in enumerate(self.parts) if p.qtype in QTYPES]
+        self._q8_parts = tuple(self.parts[i].data for i in mine)
+        self._q8_types = np.array([QTYPES[self.parts[i].qtype] for i in mine], np.int64)
+        self._q8_cols = np.array([starts[i] for i in mine], np.int64)
 
     @property
     def nbytes(self) -> int:
@@ -100,13 +106,14 @@ class QuantMatrix:
             start += part.shape[0]
         return out
 
-    def matmul_t(self, x: np.ndarray, q8=None) -> np.ndarray:
+    def matmul_t(self, x: np.ndarray, q8=None, threads: int | None = None) -> np.ndarray:
         """x [T, in] @ W.T -> float32 [T, out]: the q8 kernels for a few rows (decode), BLAS
         over dequantized chunks of W from `BLAS_FROM` rows on (prefill). `q8`: x's codes
-        (xq, xd, xs) when the caller quantized it already (`fused.py`)."""
+        (xq, xd, xs) when the caller quantized it already (`fused.py`); `threads`: numba's
+        thread count (asked of numba when not given)."""
         x = np.ascontiguousarray(x, np.float32).reshape(-1, self.shape[1])
         out = np.empty((x.shape[0], self.shape[0]), np.float32)
-        threads = numba.get_num_threads()
+        threads = threads or numba.get_num_threads()
         if x.shape[0] >= BLAS_FROM:
             self._matmul_blas(x, out, threads)
             return out
@@ -114,16 +121,16 @@ class QuantMatrix:
             xq, xd, xs = q8
         elif self._quantized:  # quantize the activations once for every quantized part
             nb = self.shape[1] // 32
-            xq = np.empty(x.shape, np.int16)
+            xq = np.empty(x.shape, np.int8)
             xd, xs = np.empty((x.shape[0], nb), np.float32), np.empty((x.shape[0], nb), np.float32)
             quantize_rows(x, xq, xd, xs)
+        if self._q8_parts:
+            gemm_q8(xq, xd, xs, self._q8_parts, self._q8_types, F16_TABLE, out, self._q8_cols, threads)
         col = 0
         for part in self.parts:
-            if part.qtype in QTYPES:
-                gemm_q8(xq, xd, xs, part.data, QTYPES[part.qtype], F16_TABLE, out, col, threads)
-            elif part.qtype == "F32":
+            if part.qtype == "F32":
                 out[:, col : col + part.shape[0]] = x @ part.data.T
-            else:
+            elif part.qtype not in QTYPES:
                 bits = part.data.view(np.uint16)
                 gemm_half(x, bits, part.qtype == "BF16", F16_TABLE, out, col, threads)
             col += part.shape[0]

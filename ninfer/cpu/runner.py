@@ -54,7 +54,7 @@ _NO_ROWS = np.zeros((0, 0), np.float32)
 def _q8(num_tokens: int, width: int, quantize: bool):
     """Buffers for the q8 codes of [num_tokens, width] activations (no rows: not wanted)."""
     rows = num_tokens if quantize else 0
-    return np.empty((rows, width), np.int16), np.empty((rows, width // 32), np.float32), np.empty(
+    return np.empty((rows, width), np.int8), np.empty((rows, width // 32), np.float32), np.empty(
         (rows, width // 32), np.float32
     )
 
@@ -96,12 +96,12 @@ class CpuRunner(ReferenceRunner):
         spec, mixer = self.spec, layer.mixer
         if mixer.q_norm is not None or spec.has_attn_gate or spec.rotary_dim != spec.head_dim:
             return super()._layer_forward(layer, x, rows, batch)  # qwen3's q/k norms: numpy glue
-        num_tokens, eps = x.shape[0], np.float32(spec.rms_eps)
+        num_tokens, eps, threads = x.shape[0], np.float32(spec.rms_eps), self.num_threads
         quantize = num_tokens < BLAS_FROM  # else the products take float x (BLAS)
         q8_model, q8_ffn = _q8(num_tokens, spec.d_model, quantize), _q8(num_tokens, spec.d_ffn, quantize)
         h = np.empty_like(x)
         add_norm_quant(x, _NO_ROWS, layer.attn_norm, eps, x, h, *q8_model)
-        qkv = mixer.w_qkv.matrix.matmul_t(h, q8_model)
+        qkv = mixer.w_qkv.matrix.matmul_t(h, q8_model, threads)
         if mixer.b_qkv is not None:
             qkv += mixer.b_qkv
         q = np.empty((num_tokens, spec.num_heads, spec.head_dim), np.float32)
@@ -115,11 +115,11 @@ class CpuRunner(ReferenceRunner):
         if batch.single_tokens.size:
             attn[batch.single_tokens] = self._attend_singles(layer.slot, q[batch.single_tokens], batch)
         new_x = np.empty_like(x)
-        add_norm_quant(x, mixer.w_o.matrix.matmul_t(attn), layer.ffn_norm, eps, new_x, h, *q8_model)
-        gate_up = layer.w_gate_up.matrix.matmul_t(h, q8_model)
+        add_norm_quant(x, mixer.w_o.matrix.matmul_t(attn, None, threads), layer.ffn_norm, eps, new_x, h, *q8_model)
+        gate_up = layer.w_gate_up.matrix.matmul_t(h, q8_model, threads)
         act = np.empty((num_tokens, spec.d_ffn), np.float32)
         swiglu_quant(gate_up, spec.d_ffn, act, *q8_ffn)
-        new_x += layer.w_down.matrix.matmul_t(act, q8_ffn)
+        new_x += layer.w_down.matrix.matmul_t(act, q8_ffn, threads)
         return new_x
 
     def _attend(self, slot: int, row: StepRow, q: np.ndarray) -> np.ndarray:
