@@ -134,12 +134,12 @@ def _rows(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
         return
     codes_buf = np.empty(n, np.uint8)  # batches and prefill: decode each row once, dot every token
     s_los, s_his, lows = np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.float32)
+    if qtype != 6:  # one scale per block: the same array for both halves (one load, one product)
+        s_his = s_los
     for o in range(lo, hi):
         for b in range(nb):
             codes, s_los[b], s_his[b], lows[b] = block_codes(src, o * row_bytes, qtype, b, table)
             codes_store(codes_buf, b * 32, codes)
-        if qtype != 6:  # one scale per block: the same array for both halves (one load, one product)
-            s_his = s_los
         for t in range(0, num_tokens - 1, 2):  # two tokens at a time, each as `_decoded_dot`
             a0, a1, c0, c1 = acc_zero(), acc_zero(), acc_zero(), acc_zero()
             la0, la1, lc0, lc1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
@@ -174,8 +174,6 @@ def _decoded_dot(codes_buf, s_los, s_his, lows, x, xd, xs, t, n, qtype):
     """Token t's dot with a row decoded into codes_buf, in the order of the one-token path
     (even blocks, odd blocks, then the two sums): a row's result never depends on its batch."""
     nb = n // 32
-    if qtype != 6:
-        s_his = s_los
     acc0, acc1 = acc_zero(), acc_zero()
     low0, low1 = np.float32(0.0), np.float32(0.0)
     for b in range(0, nb - 1, 2):

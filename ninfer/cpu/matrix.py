@@ -73,7 +73,6 @@ class QuantMatrix:
         if len({p.shape[1] for p in self.parts}) != 1:
             raise ValueError(f"stacked parts disagree on their input size: {[p.shape for p in self.parts]}")
         self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
-        self._quantized = any(p.qtype in QTYPES for p in self.parts)
         # the quantized parts, for one kernel call: their data, type codes and first columns
         starts = np.cumsum([0] + [p.shape[0] for p in self.parts])[:-1]
         mine = [i for i, p in enumerate(self.parts) if p.qtype in QTYPES]
@@ -119,7 +118,7 @@ class QuantMatrix:
             return out
         if q8 is not None and q8[0].shape[0] == x.shape[0]:
             xq, xd, xs = q8
-        elif self._quantized:  # quantize the activations once for every quantized part
+        elif self._q8_parts:  # quantize the activations once for every quantized part
             nb = self.shape[1] // 32
             xq = np.empty(x.shape, np.int8)
             xd, xs = np.empty((x.shape[0], nb), np.float32), np.empty((x.shape[0], nb), np.float32)
