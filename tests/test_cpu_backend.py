@@ -9,6 +9,7 @@ on a quantized tiny model; the runtime's backend choice.
 
 from __future__ import annotations
 
+import attrs
 import gguf.quants
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def q8_product(tensor: StoredTensor, x: np.ndarray, num_threads: int) -> np.ndar
     xq, xd, xs = quantize_rows_ref(x)
     out = np.full((x.shape[0], tensor.shape[0] + 3), np.nan, np.float32)
     gemm_q8(xq, xd, xs, (readonly(tensor.data),), np.array([QTYPES[tensor.qtype]]), F16_TABLE, out, np.array([3]),
-            num_threads)  # fmt: skip
+            num_threads, 0, 1)  # fmt: skip
     assert np.isnan(out[:, :3]).all(), "the kernel wrote outside its columns"
     return out[:, 3:]
 
@@ -279,6 +280,47 @@ def test_greedy_tokens_follow_the_reference(runners, smollm2):
         print(f"\n{prompt!r}: free-running greedy agreement {quality.greedy_agreement(reference, cpu, ids, 16)} / 16,"
               f" {int(clear.sum())} clear positions of {len(clear)}")  # fmt: skip
     assert num_clear >= 24
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("model", ["smollm2", "tiny qwen2"])
+def test_the_one_call_forward_is_the_per_layer_forward_bit_for_bit(model, num_threads, request):
+    """A batch below BLAS_FROM tokens runs every layer in one numba call (`step.py`): its
+    hidden states and the K / V it writes equal the per-layer path's bit for bit, for a batch
+    mixing prompt rows and decode rows (qwen2's q / k / v biases included)."""
+    from ninfer.core.runner import StepRow
+
+    if model == "smollm2":
+        weights = request.getfixturevalue("smollm2")
+    else:
+        spec, weights = quantized_tiny_llama(vocab_size=50, max_context=64)
+        rng = np.random.default_rng(1)
+        for i in range(spec.num_layers):
+            for name, n in (("bq", spec.q_dim), ("bk", spec.kv_dim), ("bv", spec.kv_dim)):
+                weights.tensors[f"layers.{i}.{name}"] = StoredTensor("F32", (n,), rng.standard_normal(n).astype(np.float32))
+        weights = (attrs.evolve(spec, arch="qwen2", has_qkv_bias=True), weights)
+    runner = CpuRunner(weights, num_pages=24, page_size=4, num_threads=num_threads)
+    assert runner._layer_tables is not None
+
+    def rows():  # prompt rows spanning pages, decode rows at various lengths
+        return [StepRow(seq_id=0, token_ids=np.array([3, 9, 4, 1, 7], np.int32), start_pos=0, page_table=np.arange(8)),
+                StepRow(seq_id=1, token_ids=np.array([5], np.int32), start_pos=21, page_table=np.arange(8, 16)),
+                StepRow(seq_id=2, token_ids=np.array([2, 8, 6], np.int32), start_pos=13, page_table=np.arange(16, 24))]  # fmt: skip
+
+    runner._k[:] = np.random.default_rng(2).standard_normal(runner._k.shape)  # earlier context
+    runner._v[:] = np.random.default_rng(3).standard_normal(runner._v.shape)
+    before = runner._k.copy(), runner._v.copy()
+    batch = runner._plan(rows())
+    x = runner._embed[np.concatenate([row.token_ids for row in rows()]).astype(np.int64)]
+    assert x.shape[0] < BLAS_FROM
+    fused, _ = runner._layers_forward(x.copy(), rows(), batch, set())
+    fused_kv = runner._k.copy(), runner._v.copy()
+    runner._k[:], runner._v[:] = before
+    per_layer, _ = ReferenceRunner._layers_forward(runner, x.copy(), rows(), batch, set())  # each layer: CpuRunner's
+    np.testing.assert_array_equal(fused, per_layer)
+    np.testing.assert_array_equal(fused_kv[0], runner._k)
+    np.testing.assert_array_equal(fused_kv[1], runner._v)
+    assert not np.array_equal(fused_kv[0], before[0])  # the layers wrote the new tokens' keys
 
 
 # -- the scheduler on the cpu runner ----------------------------------------------------------

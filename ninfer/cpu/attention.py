@@ -16,33 +16,39 @@ from numba import njit, prange
 _LOWEST = np.float32(-3.0e38)  # fastmath assumes no infinities: start the running max here
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(cache=True, fastmath=True)
+def attend_one(k_pool, v_pool, q, i, h, table, n, group, scale, out):
+    """out[i, h]: query i's head h over positions 0 .. n - 1 of page table `table` (one task of
+    `paged_attention`; the fused decode forward, `step.py`, runs the same tasks)."""
+    head_dim, page_size, kv = q.shape[2], k_pool.shape[1], h // group
+    scores = np.empty(n, np.float32)
+    best = _LOWEST
+    for p in range(n):  # indexed in place: a view per position costs two runtime calls
+        page, slot = table[p // page_size], p % page_size
+        s = np.float32(0.0)
+        for d in range(head_dim):
+            s += q[i, h, d] * k_pool[page, slot, kv, d]
+        scores[p] = s * scale
+        best = max(best, scores[p])
+    total = np.float32(0.0)
+    for p in range(n):
+        scores[p] = np.exp(scores[p] - best)
+        total += scores[p]
+    acc = np.zeros(head_dim, np.float32)
+    for p in range(n):
+        page, slot, weight = table[p // page_size], p % page_size, scores[p]
+        for d in range(head_dim):
+            acc[d] += weight * v_pool[page, slot, kv, d]
+    for d in range(head_dim):
+        out[i, h, d] = acc[d] / total
+
+
+@njit(parallel=True, cache=True)
 def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out):
-    """out[i, h] = softmax(q[i, h] . K / scale-free) V over positions 0 .. lengths[i] - 1 of
+    """out[i, h] = softmax(q[i, h] . K * scale) V over positions 0 .. lengths[i] - 1 of
     page table tables[table_of[i]]; k_pool / v_pool [pages, page_size, kv heads, head_dim],
     q / out [N, heads, head_dim]."""
-    num_queries, num_heads, head_dim = q.shape
-    page_size = k_pool.shape[1]
+    num_queries, num_heads = q.shape[0], q.shape[1]
     for task in prange(num_queries * num_heads):
         i, h = task // num_heads, task % num_heads
-        kv, n, table = h // group, lengths[i], tables[table_of[i]]  # one view per task
-        scores = np.empty(n, np.float32)
-        best = _LOWEST
-        for p in range(n):  # indexed in place: a view per position costs two runtime calls
-            page, slot = table[p // page_size], p % page_size
-            s = np.float32(0.0)
-            for d in range(head_dim):
-                s += q[i, h, d] * k_pool[page, slot, kv, d]
-            scores[p] = s * scale
-            best = max(best, scores[p])
-        total = np.float32(0.0)
-        for p in range(n):
-            scores[p] = np.exp(scores[p] - best)
-            total += scores[p]
-        acc = np.zeros(head_dim, np.float32)
-        for p in range(n):
-            page, slot, weight = table[p // page_size], p % page_size, scores[p]
-            for d in range(head_dim):
-                acc[d] += weight * v_pool[page, slot, kv, d]
-        for d in range(head_dim):
-            out[i, h, d] = acc[d] / total
+        attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)

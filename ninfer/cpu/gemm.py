@@ -247,18 +247,19 @@ def _rows_of(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def gemm_q8(xq, xd, xs, parts, qtypes, table, out, cols, num_threads):
+def gemm_q8(xq, xd, xs, parts, qtypes, table, out, cols, num_threads, first, stop):
     """out[:, cols[p] + o] = the q8 product of every activation row with stored row o of each
-    part p (`parts`: a tuple of uint8 [rows, bytes per row] matrices, type codes `qtypes`,
-    e.g. q / k / v in one call); xq / xd / xs from `quantize_rows`. Each thread takes one
-    contiguous range of every part's rows; one thread runs without the parallel launch."""
+    part p in first .. stop - 1 (`parts`: a tuple or typed list of uint8 [rows, bytes per row]
+    matrices, type codes `qtypes`, e.g. q / k / v in one call); xq / xd / xs from
+    `quantize_rows`. Each thread takes one contiguous range of every part's rows; one thread
+    runs without the parallel launch."""
     num_threads = max(1, num_threads)
     if num_threads == 1:
-        for p in range(len(parts)):
+        for p in range(first, stop):
             _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p], 0, parts[p].shape[0])
         return
     for tid in prange(num_threads):
-        for p in range(len(parts)):
+        for p in range(first, stop):
             rows = parts[p].shape[0]
             _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p],
                      tid * rows // num_threads, (tid + 1) * rows // num_threads)  # fmt: skip

@@ -124,7 +124,8 @@ class QuantMatrix:
             xd, xs = np.empty((x.shape[0], nb), np.float32), np.empty((x.shape[0], nb), np.float32)
             quantize_rows(x, xq, xd, xs)
         if self._q8_parts:
-            gemm_q8(xq, xd, xs, self._q8_parts, self._q8_types, F16_TABLE, out, self._q8_cols, threads)
+            gemm_q8(xq, xd, xs, self._q8_parts, self._q8_types, F16_TABLE, out, self._q8_cols, threads, 0,
+                    len(self._q8_parts))  # fmt: skip
         col = 0
         for part in self.parts:
             if part.qtype == "F32":

@@ -5,7 +5,9 @@ this runner hands its constructor a view of the weights in which every matrix "d
 to a `QuantMatrix` (`matrix.py`), so the same forward, paging, sampling and page copies run
 unchanged while every linear (and the tied head) runs numba kernels over the GGUF blocks and
 only looked-up embedding rows are ever dequantized. Norm vectors and biases are float32.
-Attention over the paged KV is a numba kernel too (`attention.py`).
+Attention over the paged KV is a numba kernel too (`attention.py`). Decode batches (fewer than
+`BLAS_FROM` tokens) of llama / qwen2 models go through all layers in one numba call
+(`step.py`), bit for bit the per-layer path.
 
 Threads: numba's pool, sized per step to `num_threads` (numba's count is per calling thread,
 and steps run on trio's worker threads; see `default_num_threads`). BLAS (F32 weights) keeps
@@ -25,7 +27,9 @@ import numpy as np
 from ninfer.core.runner import SampledToken, StepRow
 from ninfer.cpu.attention import paged_attention
 from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
+from ninfer.cpu.blocks import F16_TABLE
 from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
+from ninfer.cpu.step import LayerTables, forward_layers, query_tables
 from ninfer.gpu.blas import available_cores
 from ninfer.gpu.reference import ReferenceRunner, spec_and_weights
 from ninfer.models.weights import ModelWeights, StoredTensor
@@ -81,6 +85,13 @@ class CpuRunner(ReferenceRunner):
         self.num_threads = num_threads or default_num_threads()
         kept = ModelWeights({name: _Kept(t) for name, t in weights.items()}, weights.num_layers)
         super().__init__((spec, kept), num_pages=num_pages, page_size=page_size)
+        self._layer_tables = LayerTables.build(self._layers) if self._fusable() else None
+
+    def _fusable(self) -> bool:
+        """Whether `_layer_forward` fuses this model's glue (llama / qwen2 attention layers)."""
+        spec = self.spec
+        mixer = self._layers[0].mixer
+        return mixer.q_norm is None and not spec.has_attn_gate and spec.rotary_dim == spec.head_dim
 
     def _transposed(self, *tensors: _Kept) -> object:
         """[in, out] operand of the fused linear (parts stacked along out, none copied)."""
@@ -90,11 +101,25 @@ class CpuRunner(ReferenceRunner):
         numba.set_num_threads(self.num_threads)
         return super()._step(rows)
 
+    def _layers_forward(self, x: np.ndarray, rows, batch, kept: set[int]) -> tuple[np.ndarray, dict]:
+        """A batch below `BLAS_FROM` tokens (decode) goes through every layer in one numba call
+        (`step.py`) unless a layer's output is asked for; prefill takes `_layer_forward`."""
+        if self._layer_tables is None or kept or x.shape[0] >= BLAS_FROM:
+            return super()._layers_forward(x, rows, batch, kept)
+        spec, t = self.spec, self._layer_tables
+        tables, table_of, lengths = query_tables(rows, self.page_size)
+        x = forward_layers(np.ascontiguousarray(x, np.float32), t.parts, t.qtypes, t.cols, t.bounds, t.norms,
+                           t.biases, t.slots, self._k, self._v, np.ascontiguousarray(batch.cos[:, 0]),
+                           np.ascontiguousarray(batch.sin[:, 0]), batch.pages, batch.slots, tables, table_of, lengths,
+                           spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.d_ffn, np.float32(spec.rms_eps),
+                           np.float32(1.0 / np.sqrt(spec.head_dim)), F16_TABLE, self.num_threads)  # fmt: skip
+        return x, {}
+
     def _layer_forward(self, layer, x: np.ndarray, rows, batch) -> np.ndarray:
         """The reference's layer (same math, same order), its steps between the products fused
         (`fused.py`) and each product's input quantized once, by the step that makes it."""
         spec, mixer = self.spec, layer.mixer
-        if mixer.q_norm is not None or spec.has_attn_gate or spec.rotary_dim != spec.head_dim:
+        if not self._fusable():
             return super()._layer_forward(layer, x, rows, batch)  # qwen3's q/k norms: numpy glue
         num_tokens, eps, threads = x.shape[0], np.float32(spec.rms_eps), self.num_threads
         quantize = num_tokens < BLAS_FROM  # else the products take float x (BLAS)

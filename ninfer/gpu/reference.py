@@ -145,15 +145,20 @@ class ReferenceRunner(SyncSubmit):
         tokens = np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in rows])
         x = self._embed[tokens]
         kept = {k for row in rows if row.sample is not None for k in row.sample.hidden_layers if k >= 0}
-        layer_x = {}  # layer -> its output x [T, d] (each layer makes a new array)
-        for index, layer in enumerate(self._layers):
-            x = self._layer_forward(layer, x, rows, batch)
-            if index in kept:
-                layer_x[index] = x
+        x, layer_x = self._layers_forward(x, rows, batch, kept)
         results = self._sample(x, rows, batch, layer_x)
         for row, states in zip(rows, batch.gdn_states):  # the forward succeeded: keep the new states
             self._states.commit(row.seq_id, row.start_pos + len(row.token_ids), states)
         return results
+
+    def _layers_forward(self, x: np.ndarray, rows, batch: _Batch, kept: set[int]) -> tuple[np.ndarray, dict]:
+        """x through every layer -> (the last layer's output, {layer in kept: its output})."""
+        layer_x = {}  # each layer makes a new array
+        for index, layer in enumerate(self._layers):
+            x = self._layer_forward(layer, x, rows, batch)
+            if index in kept:
+                layer_x[index] = x
+        return x, layer_x
 
     def _layer_forward(self, layer: _Layer, x: np.ndarray, rows, batch: _Batch) -> np.ndarray:
         spec = self.spec
