@@ -76,8 +76,9 @@ def parse_kv_capacity(text: str) -> int | None:
     return value
 
 
-def resolve_backend(name: str) -> str:
-    """'auto' -> 'cuda' when a usable GPU is present, else 'reference'."""
+def resolve_backend(name: str, spec=None) -> str:
+    """'auto' -> 'cuda' when a usable GPU is present, else 'cpu' for a model it runs (`spec`:
+    dense llama / qwen2 / qwen3), else 'reference'."""
     if name in ("reference", "cpu"):
         return name
     from ninfer.gpu.cuda.available import cuda_available
@@ -86,7 +87,11 @@ def resolve_backend(name: str) -> str:
         if not cuda_available():
             raise ConfigError("--backend cuda was asked for, but no usable CUDA GPU was found")
         return name
-    return "cuda" if cuda_available() else "reference"
+    if cuda_available():
+        return "cuda"
+    from ninfer.cpu.runner import runs_on_cpu
+
+    return "cpu" if spec is not None and runs_on_cpu(spec) else "reference"
 
 
 def config_for_model(model: LoadedModel, config: EngineConfig) -> EngineConfig:
@@ -174,7 +179,7 @@ def host_memory() -> tuple[int, int]:
 
 def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineConfig) -> tuple[Runner, str, EngineConfig]:
     """(runner, backend name, `config` resolved for the model) for these options and limits."""
-    backend = resolve_backend(options.backend)
+    backend = resolve_backend(options.backend, model.spec)
     config = config_for_model(model, config)
     num_pages = num_pages_for(model, config, backend, reserve_bytes=options.reserve_bytes)
     if backend == "cuda":
@@ -187,12 +192,14 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
             activations=options.activations, max_sequences=config.max_concurrency,  # hybrids' state slots
         )  # fmt: skip
     elif backend == "cpu":
-        if model.spec.is_hybrid:
-            raise ConfigError("--backend cpu does not run hybrid (qwen35) models yet; use --backend reference")
-        from ninfer.cpu.runner import CpuRunner
+        from ninfer.cpu.runner import SUPPORTED_ARCHS, CpuRunner, runs_on_cpu
         from ninfer.gpu.blas import limit_blas_threads
 
-        limit_blas_threads()  # the attention's small products stay on one BLAS thread
+        if not runs_on_cpu(model.spec):
+            raise ConfigError(f"--backend cpu runs {', '.join(SUPPORTED_ARCHS)} models, not {model.spec.arch} "
+                              "(hybrid qwen35 models: use --backend reference)")  # fmt: skip
+
+        limit_blas_threads()  # the prefill products' BLAS keeps one thread
         runner = CpuRunner(model, num_pages=num_pages, page_size=config.page_size)
     else:
         from ninfer.gpu.blas import limit_blas_threads
@@ -225,12 +232,16 @@ def kernel_cache_summary() -> str:
 
 def warm_up(runner: Runner, backend: str, config: EngineConfig, *, progress: bool = False) -> float | None:
     """Compile every kernel and capture every batch shape `config` can produce (CUDA), so no
-    request waits for it; seconds taken, or None where the backend has nothing to warm."""
-    if backend != "cuda":
+    request waits for it (cpu: numba's kernels, compiled on the first start and loaded from its
+    disk cache afterwards); seconds taken, or None where the backend has nothing to warm."""
+    if backend not in ("cuda", "cpu"):
         return None
     import time
 
     started = time.perf_counter()
+    if backend == "cpu":
+        runner.warm_up(progress=progress)
+        return time.perf_counter() - started
     # hybrids: rows cannot start mid-sequence (recurrent state), so their warm-up runs real sequences
     warm = runner.warm_up_hybrid if runner.spec.is_hybrid else runner.warm_up
     warm(max_rows=config.max_concurrency, max_context=config.max_context, progress=progress)

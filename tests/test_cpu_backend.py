@@ -323,6 +323,28 @@ def test_the_one_call_forward_is_the_per_layer_forward_bit_for_bit(model, num_th
     assert not np.array_equal(fused_kv[0], before[0])  # the layers wrote the new tokens' keys
 
 
+def test_the_head_refines_its_contenders_to_the_float_logits(runners, smollm2):
+    """A prompt in one step runs its layers on float activations (BLAS), so only the head's q8
+    activations part the cpu runner from the reference; on this chat prompt they flipped the
+    first token ('The' is 0.09 nats above 'L'). The head recomputes every logit near the top
+    in float32: the contenders match the reference's, and so does the pick."""
+    from ninfer.core.params import SamplingParams
+    from ninfer.core.runner import SampleSpec, StepRow
+
+    text = smollm2.chat_template.render([{"role": "user", "content": "What is the capital of France?"}])
+    ids = np.array(smollm2.tokenizer.encode(text), np.int32)
+    assert ids.size >= BLAS_FROM
+    spec = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=0, want_logits=True)
+    cpu, reference = runners
+    got, want = (runner.step([StepRow(seq_id=0, token_ids=ids, start_pos=0, page_table=np.arange(NUM_PAGES),
+                                      sample=spec)])[0] for runner in runners)  # fmt: skip
+    top = np.flatnonzero(want.logits >= want.logits.max() - 0.5)  # well inside REFINE_MARGIN
+    assert top.size >= 3
+    np.testing.assert_allclose(got.logits[top], want.logits[top], atol=1e-3)
+    assert got.token_id == want.token_id
+    assert np.abs(got.logits - want.logits).max() > 1e-3  # the rest stay q8's (the test would not see a float head)
+
+
 # -- the scheduler on the cpu runner ----------------------------------------------------------
 
 
@@ -357,13 +379,16 @@ async def test_lookahead_on_the_cpu_runner_changes_no_token(on_cpu, smollm2):
 # -- the runtime ------------------------------------------------------------------------------
 
 
-def test_the_runtime_builds_the_cpu_backend_and_auto_keeps_reference(smollm2, monkeypatch):
+def test_without_a_gpu_auto_builds_the_cpu_backend_and_warms_it(smollm2, monkeypatch):
     import ninfer.gpu.cuda.available as available
-    from ninfer.runtime import BACKENDS, RuntimeOptions, create_runner, resolve_backend
+    from ninfer.runtime import BACKENDS, RuntimeOptions, create_runner, resolve_backend, warm_up
     from ninfer.sched.config import EngineConfig
 
     monkeypatch.setattr(available, "cuda_available", lambda: False)
-    assert "cpu" in BACKENDS and resolve_backend("auto") == "reference"
+    assert "cpu" in BACKENDS and resolve_backend("auto") == "reference"  # no model: nothing to judge by
     config = EngineConfig(kv_capacity=64, max_context=64)
-    runner, backend, _ = create_runner(smollm2, RuntimeOptions(backend="cpu"), config)
+    runner, backend, config = create_runner(smollm2, RuntimeOptions(), config)
     assert backend == "cpu" and isinstance(runner, CpuRunner) and runner.num_pages == 4
+    runner._k[:] = np.nan  # the warm-up runs real steps: a prompt (the per-layer path) and a decode token
+    assert warm_up(runner, backend, config) is not None
+    assert np.isfinite(runner._k[:, 0, :, :, :]).all() and np.isfinite(runner._k[:, 1, 0]).all()

@@ -292,12 +292,14 @@ def test_cli_generate_runs_the_hybrid_gguf_greedily_as_transformers(hybrid, mode
     assert np.all(np.asarray(out["token_ids"]) < model.tokenizer.vocab_size)
 
 
-def test_the_cpu_backend_refuses_hybrids_with_a_clear_error(model):
+def test_the_cpu_backend_refuses_hybrids_and_auto_picks_reference_for_them(model, monkeypatch):
+    import ninfer.gpu.cuda.available as available
     from ninfer import runtime
     from ninfer.sched.config import ConfigError
 
     config = EngineConfig(page_size=PAGE, max_context=32, kv_capacity=64)
     with pytest.raises(ConfigError, match="hybrid"):
         runtime.create_runner(model, runtime.RuntimeOptions(backend="cpu"), config)
-    runner, backend, _ = runtime.create_runner(model, runtime.RuntimeOptions(backend="reference"), config)
+    monkeypatch.setattr(available, "cuda_available", lambda: False)
+    runner, backend, _ = runtime.create_runner(model, runtime.RuntimeOptions(), config)
     assert backend == "reference" and isinstance(runner, ReferenceRunner) and runner.spec.is_hybrid

@@ -109,7 +109,7 @@ def _runner(model, args):
     from ninfer.runtime import resolve_backend, use_kernel_cache
 
     spec = model.spec if hasattr(model, "spec") else model[0]
-    backend = resolve_backend(args.backend)
+    backend = resolve_backend(args.backend, spec)
     max_streams = max(args.streams)
     longest = max(max(args.prompt_lens), args.decode_prompt + args.decode_tokens + 2)
     per_seq = -(-longest // args.page_size)

@@ -90,8 +90,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, activations: bool = 
     backend, page_size = default_of(RuntimeOptions, "backend"), default_of(EngineConfig, "page_size")
     group = parser.add_argument_group("runtime")
     group.add_argument("--backend", choices=BACKENDS, default=backend,
-                       help="compute backend; auto picks CUDA when a GPU is present, else reference; cpu runs "
-                       f"numba kernels over the stored (quantized) weights (default: {backend})")
+                       help="compute backend; auto picks CUDA when a GPU is present, else cpu (numba kernels over the "
+                       "stored, quantized weights; compiled on the first start, minutes) for llama / qwen2 / qwen3 "
+                       f"models and reference (numpy, float32) for the rest (default: {backend})")
     group.add_argument("--kv-capacity", type=_kv, default="auto", metavar="TOKENS",
                        help="KV cache size in tokens, or 'auto' to fit free memory (default: auto)")
     group.add_argument("--max-context", type=context_tokens, default=None, metavar="TOKENS",

@@ -31,7 +31,7 @@ from ninfer.cpu.blocks import F16_TABLE
 from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.cpu.step import LayerTables, forward_layers, query_tables
 from ninfer.gpu.blas import available_cores
-from ninfer.gpu.reference import ReferenceRunner, spec_and_weights
+from ninfer.gpu.reference import ReferenceRunner, rms_norm, spec_and_weights
 from ninfer.models.weights import ModelWeights, StoredTensor
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,12 @@ def default_num_threads() -> int:
 
 
 _NO_ROWS = np.zeros((0, 0), np.float32)
+REFINE_MARGIN, REFINE_MAX = 1.0, 64  # `CpuRunner._head_logits`: ten times q8's largest error seen
+
+
+def runs_on_cpu(spec) -> bool:
+    """Whether `CpuRunner` runs a model of this spec (the reference forward's dense decoders)."""
+    return spec.arch in SUPPORTED_ARCHS and not spec.is_hybrid
 
 
 def _q8(num_tokens: int, width: int, quantize: bool):
@@ -80,12 +86,36 @@ class CpuRunner(ReferenceRunner):
 
     def __init__(self, model, *, num_pages: int, page_size: int = 16, num_threads: int | None = None):
         spec, weights = spec_and_weights(model)
-        if spec.arch not in SUPPORTED_ARCHS:
+        if not runs_on_cpu(spec):
             raise ValueError(f"the cpu backend runs {', '.join(SUPPORTED_ARCHS)} models, not {spec.arch}")
         self.num_threads = num_threads or default_num_threads()
         kept = ModelWeights({name: _Kept(t) for name, t in weights.items()}, weights.num_layers)
         super().__init__((spec, kept), num_pages=num_pages, page_size=page_size)
         self._layer_tables = LayerTables.build(self._layers) if self._fusable() else None
+
+    def warm_up(self, *, progress: bool = False) -> None:
+        """Compile every kernel a step can reach, or load it from numba's disk cache (a first
+        start compiles for minutes on a small machine; later ones load in about a second): a
+        greedy-sampled prompt of `BLAS_FROM` tokens (the prefill path) and one decode token (the
+        one-call forward) on the first pages, which no sequence owns before the engine opens."""
+        import time
+
+        from ninfer.core.params import SamplingParams
+        from ninfer.core.runner import SampleSpec
+
+        started = time.perf_counter()
+        if progress:
+            logger.info("cpu backend: loading its kernels (the first start compiles them: minutes)")
+        length = min(BLAS_FROM, self.spec.max_context - 1, self.num_pages * self.page_size - 1)
+        table = np.arange(self.num_pages, dtype=np.int32)
+        sample = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=0)
+        if length >= 1:
+            self.step([StepRow(seq_id=0, token_ids=np.zeros(length, np.int32), start_pos=0, page_table=table,
+                               sample=sample)])  # fmt: skip
+            self.step([StepRow(seq_id=0, token_ids=np.zeros(1, np.int32), start_pos=length, page_table=table,
+                               sample=sample)])  # fmt: skip
+        if progress:
+            logger.info("cpu backend: kernels ready in %.1f s", time.perf_counter() - started)
 
     def _fusable(self) -> bool:
         """Whether `_layer_forward` fuses this model's glue (llama / qwen2 attention layers)."""
@@ -146,6 +176,24 @@ class CpuRunner(ReferenceRunner):
         swiglu_quant(gate_up, spec.d_ffn, act, *q8_ffn)
         new_x += layer.w_down.matrix.matmul_t(act, q8_ffn, threads)
         return new_x
+
+    def _head_logits(self, x_last: np.ndarray) -> np.ndarray:
+        """The reference's head over q8 activations, then each token's contenders recomputed
+        in float32: q8 logits stray up to ~0.1 from the float ones, enough to flip a near-tie
+        at the top (a chat prompt's first token: 'The' 0.09 nats above 'L'). Every logit
+        within `REFINE_MARGIN` of a token's best (at most `REFINE_MAX` of them) gets the
+        float32 product of its dequantized head row: greedy picks and the top log-probabilities
+        are the float head's, for the price of a few rows."""
+        hidden = rms_norm(x_last, self._final_norm, self.spec.rms_eps)
+        logits = (hidden @ self._head.T).astype(np.float32, copy=False)
+        if not isinstance(self._head, QuantMatrix) or hidden.shape[0] >= BLAS_FROM:
+            return logits  # float weights, or BLAS over float activations: exact already
+        for t in range(logits.shape[0]):
+            near = np.flatnonzero(logits[t] >= logits[t].max() - REFINE_MARGIN)
+            if near.size > REFINE_MAX:
+                near = near[np.argpartition(logits[t, near], -REFINE_MAX)[-REFINE_MAX:]]
+            logits[t, near] = self._head[near] @ hidden[t]
+        return logits
 
     def _attend(self, slot: int, row: StepRow, q: np.ndarray) -> np.ndarray:
         """A prefill row's causal attention: query i (position start_pos + i) sees positions

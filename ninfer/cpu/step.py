@@ -71,11 +71,17 @@ class LayerTables:
         )  # fmt: skip
 
 
+# Below this many multiply-adds (queries x heads x positions x head_dim) one thread attends:
+# a parallel launch costs tens of microseconds, about the work of one short-context decode token.
+PARALLEL_ATTENTION_FROM = 1 << 18
+
+
 @njit(parallel=True, cache=True)
 def _attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out, num_threads):
-    """`attention.paged_attention`'s tasks; one thread runs them without the parallel launch."""
-    num_queries, num_heads = q.shape[0], q.shape[1]
-    if num_threads == 1:
+    """`attention.paged_attention`'s tasks; one thread runs them without the parallel launch
+    (one thread asked for, or too little work to share)."""
+    num_queries, num_heads, head_dim = q.shape
+    if num_threads == 1 or num_queries * num_heads * lengths.max() * head_dim < PARALLEL_ATTENTION_FROM:
         for task in range(num_queries * num_heads):
             i, h = task // num_heads, task % num_heads
             attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)

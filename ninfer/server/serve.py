@@ -114,10 +114,10 @@ async def _run_engine(settings: ServerSettings, model, runner, switch, shutdown:
             switch.stage = "compiling kernels and capturing graphs"
             seconds = await trio.to_thread.run_sync(functools.partial(warm_up, runner, backend, config, progress=True),
                                                     abandon_on_cancel=True)  # fmt: skip
-            if seconds is not None:
+            if seconds is not None and backend == "cuda":
                 log.info("warmed up every batch shape in %.1f s (%s)", seconds, kernel_cache_summary())
         switch.stage = "starting the engine"
-        backend = backend or ("cuda" if type(runner).__name__ == "CudaRunner" else "reference")
+        backend = backend or {"CudaRunner": "cuda", "CpuRunner": "cpu"}.get(type(runner).__name__, "reference")
         await _open_app(settings, model, runner, config, backend, switch, shutdown, task_status)
     finally:
         if owns_runner:
