@@ -183,8 +183,9 @@ def check_padded_vocab(scale):
     assert got.token_id == want.token_id < num_ids, f"sampled {got.token_id}, the reference {want.token_id}"
     assert (got.top_ids < num_ids).all(), f"padding ids in the top logprobs: {got.top_ids}"
     np.testing.assert_array_equal(got.top_ids, want.top_ids)
-    np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, atol=1e-3)
-    assert abs(got.logprob - want.logprob) < 1e-3, f"logprob {got.logprob} != {want.logprob}"
+    # the favoured padding ids push the real ones ~780 nats down: float32 keeps ~1e-5 relative there
+    np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(got.logprob, want.logprob, rtol=1e-5, atol=1e-3)
 
 
 def check_warm_up(scale):

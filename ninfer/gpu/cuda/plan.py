@@ -84,10 +84,9 @@ class KernelPlan:
     copies_in_graph: bool = True
     # True: a new graph bucket is captured once and replayed, its other mirror set's graph
     # cloned with the copies re-pointed (runner._record, graphs.GraphCache.twin): one launch
-    # sequence a bucket instead of three, for a faster warm-up. Off by default until it has
-    # run on a GPU (tests/test_gpu_runner.py checks both paths against eager launches);
-    # False: run eagerly, then capture once per mirror set
-    capture_once: bool = False
+    # sequence a bucket instead of three, for a faster warm-up (tests/test_gpu_runner.py checks
+    # both paths against eager launches); False: run eagerly, then capture once per mirror set
+    capture_once: bool = True
     # programmatic edges into PDL-aware kernels in captured graphs (pdl.py); False: as captured
     pdl: bool = True
 
