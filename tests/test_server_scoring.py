@@ -308,10 +308,13 @@ def test_a_disconnect_mid_rerank_cancels_it_and_frees_every_page(server, http, m
         sock.sendall(b"POST /v1/rerank HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      + f"authorization: Bearer {KEY}\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)  # fmt: skip
         deadline = time.monotonic() + 60
-        while (busy := metrics(http))[done] < before[done] + 3:  # the prefix and some documents are done
+
+        def in_flight(m):  # the prefix and some documents done, more running (not between two waves)
+            return m[done] >= before[done] + 3 and m["ninfer_requests_running"] >= 1 and m["ninfer_kv_pages_active"] >= 1
+
+        while not in_flight(busy := metrics(http)):
             assert time.monotonic() < deadline, busy
             time.sleep(0.02)
-        assert busy["ninfer_requests_running"] >= 1 and busy["ninfer_kv_pages_active"] >= 1
     cancelled = "ninfer_requests_total{outcome=cancelled}"
     deadline = time.monotonic() + 60
     while (after := metrics(http))["ninfer_requests_running"] + after["ninfer_requests_waiting"] + after["ninfer_kv_pages_active"]:
