@@ -91,7 +91,8 @@ class CpuRunner(ReferenceRunner):
         self.num_threads = num_threads or default_num_threads()
         kept = ModelWeights({name: _Kept(t) for name, t in weights.items()}, weights.num_layers)
         super().__init__((spec, kept), num_pages=num_pages, page_size=page_size)
-        self._layer_tables = LayerTables.build(self._layers) if self._fusable() else None
+        self._fused_glue = self._fusable()  # asked once, not per layer and step
+        self._layer_tables = LayerTables.build(self._layers) if self._fused_glue else None
 
     def warm_up(self, *, progress: bool = False) -> None:
         """Compile every kernel a step can reach, or load it from numba's disk cache (a first
@@ -149,7 +150,7 @@ class CpuRunner(ReferenceRunner):
         """The reference's layer (same math, same order), its steps between the products fused
         (`fused.py`) and each product's input quantized once, by the step that makes it."""
         spec, mixer = self.spec, layer.mixer
-        if not self._fusable():
+        if not self._fused_glue:
             return super()._layer_forward(layer, x, rows, batch)  # qwen3's q/k norms: numpy glue
         num_tokens, eps, threads = x.shape[0], np.float32(spec.rms_eps), self.num_threads
         quantize = num_tokens < BLAS_FROM  # else the products take float x (BLAS)
