@@ -12,7 +12,9 @@ hybrid (GDN, gated attention, GDN; float32 weights and KV, so tokens must match 
   zeros, not from the slot's old state); rows that do not continue their state are refused
   before anything runs;
 * a padded vocabulary: ids past tokenizer_vocab_size are never sampled nor in the top
-  logprobs, even where the head favours them.
+  logprobs, even where the head favours them;
+* int8 activations (the served default; Q8_0 weights): logits within q8's tolerance of the
+  reference over a prefill and six decode steps.
 
 The same checks run at a real shape (Qwen3.5's layer shapes, Q8_0, a float16 KV pool) on a
 GPU (skipped here).
@@ -34,20 +36,20 @@ import pytest
 
 import child_jobs
 
-CHECKS = ("decode", "slots", "padded_vocab", "warm_up")
+CHECKS = ("decode", "slots", "padded_vocab", "warm_up", "q8")
 
 
 # -- the checks (run in the child, or on the GPU) ---------------------------------------------------
 
 
-def _setup(scale, num_layers=None):
+def _setup(scale, num_layers=None, tiny_qtype="F32"):
     """(spec, model, KV dtype, logits rtol); tiny: GDN, attention, GDN (num_layers=2: GDN,
-    attention)."""
+    attention), float32 weights unless `tiny_qtype` says otherwise."""
     from ninfer.gpu.cuda.random_model import random_model, random_spec
 
     if scale == "tiny":
         spec = random_spec("tiny-hybrid", num_layers=num_layers or 3)
-        return spec, random_model(spec, "F32", embed_qtype="F32", seed=7), np.float32, 1e-4
+        return spec, random_model(spec, tiny_qtype, embed_qtype=tiny_qtype, seed=7), np.float32, 1e-4
     # the served configuration: Q8_0 weights, a float16 KV pool (the tensor-core prefill attention)
     # (every fourth layer is full attention: a short model keeps at least one, 4 layers)
     spec = random_spec("qwen35-like", max_context=512, num_layers=max(num_layers or 8, 4))
@@ -195,6 +197,28 @@ def check_warm_up(scale):
     assert cr.warm_up_hybrid(max_rows=4) == 3  # a 2-token prefill; one row's first token, then its decode
     assert cr.num_recurrent_states == 0
     _same(cr, rr, [_row(1, [3, 4], 0), _row(2, [5], 0)], rtol, "a step after the warm-up")
+
+
+def check_q8(scale):
+    """int8 activations (what `ninfer serve` runs): two prompts, then six decode steps of both
+    (a graph bucket on the GPU), teacher-forced with the reference's greedy tokens: logits within
+    q8's tolerance of the float reference at every step, and the recurrent states close."""
+    spec, model, kv, _ = _setup(scale, num_layers=2, tiny_qtype="Q8_0")
+    cr, rr = _runners(model, kv, activations="q8")
+    assert cr.forward.q8 and cr.forward.head_q8, "a Q8_0 hybrid's linears and head should take the int8 path"
+    rng = np.random.default_rng(4)
+    rows = [_row(1, rng.integers(0, spec.vocab_size, 6), 0), _row(2, rng.integers(0, spec.vocab_size, 3), 0)]
+    pos = {1: 6, 2: 3}
+    for i in range(7):
+        got, want = cr.step(rows), rr.step(rows)
+        for row, g, w in zip(rows, got, want, strict=True):
+            scale_ = np.abs(w.logits).max()
+            err = np.abs(g.logits - w.logits).max()
+            assert err <= 3e-2 * scale_, f"step {i}, sequence {row.seq_id}: q8 logits off by {err:.3g} ({scale_:.3g})"
+        rows = [_row(r.seq_id, [w.token_id], pos[r.seq_id], index=i + 1) for r, w in zip(rows, want, strict=True)]
+        pos = {s: p + 1 for s, p in pos.items()}
+    for s in (1, 2):
+        _same_state(cr, rr, s, 3e-2, f"q8: sequence {s}")
 
 
 def run_checks(scale: str, names) -> dict[str, str]:

@@ -1,13 +1,14 @@
 """The CUDA runner's recurrent-state copies (`snapshot_state` / `restore_state`, hybrid.StatePool)
-under numba's CUDA simulator, in a child process (see tests/test_cuda_hybrid.py, whose tiny
-model and helpers this reuses), against the ReferenceRunner:
+against the ReferenceRunner: under numba's CUDA simulator in a child process (a tiny float32
+model), and on a GPU where there is one (the served configuration: Q8_0 weights, a float16 KV
+pool); tests/test_cuda_hybrid.py's models and helpers are reused:
 
 a prompt's state copied to the host matches the reference's; a sequence rewound to it, and a
 new sequence started from it at that position (its own slot), sample what the sequence did the
 first time; a full pool refuses a restore into a new sequence; a snapshot of a sequence that
 holds no state is refused.
 
-    python tests/test_hybrid_cuda_state.py     # prints {"state_copies": "ok" | traceback}
+    python tests/test_hybrid_cuda_state.py [tiny|real]   # prints {"state_copies": "ok" | traceback}
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import numpy as np
 import pytest
 
 
-def check_state_copies() -> None:
+def check_state_copies(scale: str = "tiny") -> None:
     from test_cuda_hybrid import _refused, _row, _runners, _same, _setup
 
-    spec, model, kv, rtol = _setup("tiny", num_layers=2)
+    spec, model, kv, rtol = _setup(scale, num_layers=2)
     cr, rr = _runners(model, kv, max_sequences=2)
     prompt = np.random.default_rng(5).integers(0, spec.vocab_size, 6)
     (tok,) = _same(cr, rr, [_row(1, prompt, 0)], rtol, "prefill")
@@ -60,9 +61,9 @@ def check_state_copies() -> None:
         raise AssertionError("a snapshot of a released sequence was not refused")
 
 
-def run() -> dict[str, str]:
+def run(scale: str = "tiny") -> dict[str, str]:
     try:
-        check_state_copies()
+        check_state_copies(scale)
         return {"state_copies": "ok"}
     except Exception:  # noqa: BLE001 - reported to the test
         return {"state_copies": traceback.format_exc()}
@@ -79,10 +80,23 @@ def test_cuda_state_copies_under_the_simulator():
     assert result == "ok", result
 
 
+def _has_gpu() -> bool:
+    from ninfer.gpu.cuda.available import cuda_available
+
+    return cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+def test_cuda_state_copies_on_gpu():
+    result = run("real")["state_copies"]
+    assert result == "ok", result
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         from cuda.simfast import speed_up_simulator
 
         speed_up_simulator()
-    print(json.dumps(run()))
+    print(json.dumps(run(*sys.argv[1:2])))

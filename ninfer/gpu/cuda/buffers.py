@@ -87,7 +87,7 @@ class StepBuffers:
     def __init__(self, spec, limits: Limits):
         t, r = max(limits.alloc_tokens, limits.max_tokens), limits.max_rows
         d = spec.d_model
-        wide = max(d, spec.q_dim, spec.d_ffn)
+        wide = max(d, spec.q_dim, spec.d_ffn, spec.gdn.value_dim if spec.is_hybrid else 0)
         qkv_dim = spec.q_dim + 2 * spec.kv_dim
         self.limits = limits
         self.is_hybrid = spec.is_hybrid

@@ -21,11 +21,14 @@ state) with gated full-attention layers (partial RoPE, an output gate). Here:
   gated RMSNorm, the output projection. Gated attention layers: the QKV projection,
   gated_qkv_post, the existing attention kernels, the sigmoid gate, the output projection.
 
-Hybrid steps run on float32 activations. The per-step GDN inputs (row starts, slots, fresh
-flags) are a step input like the others (StepBuffers.gdn_rows), so decode steps whose rows all
-continue a state are captured and replayed as CUDA graphs (padding rows use a spare slot);
-steps with a prefill row, or a row starting a sequence, run eagerly (their conv grid depends
-on the longest row).
+The linears take int8 activations where the runner runs q8 (`activations='q8'`, the served
+default) and every matrix has an int8 kernel, as the dense forward does: the RMSNorm and
+SwiGLU kernels write the int8 blocks themselves, the GDN and attention outputs are quantized
+before their output projections (`act_quant.quantize_rows`); else float32. The per-step GDN
+inputs (row starts, slots, fresh flags) are a step input like the others
+(StepBuffers.gdn_rows), so decode steps whose rows all continue a state are captured and
+replayed as CUDA graphs (padding rows use a spare slot); steps with a prefill row, or a row
+starting a sequence, run eagerly (their conv grid depends on the longest row).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ninfer.gpu import gdn as gdn_ref
 from ninfer.gpu.cuda.buckets import bucket, token_bucket, warm_rows, zeros
 from ninfer.gpu.cuda.device_weights import DeviceWeight
 from ninfer.gpu.cuda.forward import Forward, StepPlan
-from ninfer.gpu.cuda.kernels import embed, flash, gated_attn, gdn, gemm, gemv, swiglu
+from ninfer.gpu.cuda.kernels import act_quant, embed, flash, gated_attn, gdn, gemm, gemv, swiglu
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 from ninfer.models.spec import LINEAR_ATTENTION
 
@@ -281,14 +284,15 @@ def gdn_step(rows, batch, slots: dict[int, int]) -> GdnStep:
 
 
 class HybridForward(Forward):
-    """`Forward` over a hybrid's mixed layers (float32 activations)."""
+    """`Forward` over a hybrid's mixed layers (int8 or float32 activations, as `Forward`)."""
 
     def __init__(self, spec, model, bufs, k_pool, v_pool, cos, sin, *, pool: StatePool, hbufs: HybridBuffers,
-                 split_len: int, sampler_threads: int, plan, **_):  # fmt: skip
+                 q8: bool, split_len: int, sampler_threads: int, plan):  # fmt: skip
         self.spec, self.model, self.bufs = spec, model, bufs
         self.k_pool, self.v_pool, self.cos, self.sin = k_pool, v_pool, cos, sin
         self.plan, self.split_len, self.sampler_threads = plan, split_len, sampler_threads
-        self.q8 = self.head_q8 = False
+        self.q8 = q8 and model.linears_quantized
+        self.head_q8 = q8 and model.head.qtype not in gemv.FLOAT_QTYPES
         self.folds = self.can_epilogue = self.epilogues = frozenset()
         self.num_ids = spec.num_sampled_ids
         self.pool, self.hb = pool, hbufs
@@ -311,25 +315,26 @@ class HybridForward(Forward):
 
     def launch(self, step: StepPlan, stream, after_layer=None) -> None:
         b, t = self.bufs, step.num_tokens
+        act = "q8" if (self.q8 and step.act == "q8") else "f32"
         embed.embed(self.model.embed, b.out if step.feed else b.tokens, b.x, t, stream)
         for i, layer in enumerate(self.model.layers):
-            self._norm(layer.attn_norm, t, "f32", stream)  # -> b.h
+            self._norm(layer.attn_norm, t, act, stream)  # -> b.h, or its int8 blocks
             if i in self._gdn_index:  # token mixer: Gated DeltaNet over the recurrent state ...
-                self._gdn(self._gdn_index[i], layer, t, stream)
+                self._gdn(self._gdn_index[i], layer, t, act, stream)
             else:  # ... or gated attention over the KV pages
-                self._gated_attention(self._kv_index[i], layer, step, stream)
+                self._gated_attention(self._kv_index[i], layer, step, act, stream)
             # feed-forward block: SwiGLU
-            self._norm(layer.ffn_norm, t, "f32", stream)
-            self._linear(layer.w_gate_up, t, "f32", b.gate_up, None, stream)
-            swiglu.swiglu(b.gate_up, b.h, b.xs, t, "f32", stream)
-            self._linear((layer.w_down,), t, "f32", b.x, b.x, stream)
+            self._norm(layer.ffn_norm, t, act, stream)
+            self._linear(layer.w_gate_up, t, act, b.gate_up, None, stream)
+            swiglu.swiglu(b.gate_up, b.xq8 if act == "q8" else b.h, b.xs, t, act, stream)
+            self._linear((layer.w_down,), t, act, b.x, b.x, stream)
             if after_layer is not None:
                 after_layer(i)
         self._head(step, stream)
 
-    def _gdn(self, j, layer: GdnDeviceLayer, t, stream):
+    def _gdn(self, j, layer: GdnDeviceLayer, t, act, stream):
         hb, g, s = self.hb, self._gdn_step, self.spec
-        self._linear_from(self.bufs.h, layer.w_in, t, hb.gdn_in, None, stream)
+        self._linear(layer.w_in, t, act, hb.gdn_in, None, stream)
         conv, ssm = self.pool.conv_layers[j], self.pool.ssm_layers[j]
         if g.decode:  # one token a row: row i is token i
             gdn.conv_decode(hb.mixed, layer.conv, hb.slots, conv, hb.conv_out, t, stream)
@@ -341,12 +346,12 @@ class HybridForward(Forward):
             gdn.gdn_prefill(hb.conv_out, hb.alpha, hb.beta, layer.a_log, layer.dt_bias, hb.starts, hb.slots, hb.fresh,
                             ssm, hb.o, g.num_seqs, stream=stream)  # fmt: skip
         gdn.gated_rmsnorm(hb.o, hb.z, layer.norm, s.rms_eps, hb.normed, t, stream)
-        self._linear_from(hb.normed, (layer.w_out,), t, self.bufs.x, self.bufs.x, stream)
+        self._linear_from(hb.normed, (layer.w_out,), t, act, self.bufs.x, self.bufs.x, stream)
 
-    def _gated_attention(self, a, layer, step: StepPlan, stream):
+    def _gated_attention(self, a, layer, step: StepPlan, act, stream):
         b, hb, s = self.bufs, self.hb, self.spec
         t = step.num_tokens
-        self._linear_from(b.h, layer.wqkv, t, hb.qkv, None, stream)
+        self._linear(layer.wqkv, t, act, hb.qkv, None, stream)
         has_norm = layer.q_norm is not None
         q_norm = layer.q_norm if has_norm else b.dummy_f1
         k_norm = layer.k_norm if has_norm else b.dummy_f1
@@ -354,10 +359,15 @@ class HybridForward(Forward):
                                   hb.gate, self.k_pool[a], self.v_pool[a], t, has_norm, stream)  # fmt: skip
         self._attention(a, step, "f32", stream)  # -> b.h
         gated_attn.sigmoid_gate(b.h, hb.gate, s.q_dim, t, stream)
-        self._linear((layer.wo,), t, "f32", b.x, b.x, stream)
+        self._linear_from(b.h, (layer.wo,), t, act, b.x, b.x, stream)
 
-    def _linear_from(self, x, parts, num_m, out, res, stream):
-        """out[:num_m] = x[:num_m] @ w.T (+ res) over float32 x, column blocks per part."""
+    def _linear_from(self, x, parts, num_m, act, out, res, stream):
+        """out[:num_m] = x[:num_m] @ w.T (+ res) over float32 x: quantized to int8 blocks first
+        in q8 (`_linear` then reads them), else read as it is (column blocks per part)."""
+        if act == "q8":
+            act_quant.quantize_rows(x, self.bufs.xq8, self.bufs.xs, num_m, x.shape[1], stream)
+            self._linear(parts, num_m, act, out, res, stream)
+            return
         col = 0
         for w in parts:
             dst = out if len(parts) == 1 else out[:, col : col + w.rows]

@@ -13,8 +13,8 @@ through `positions.py`; other rows' steps are untouched.
 
 Hybrid (qwen35) models (hybrid.py) also keep each sequence's Gated DeltaNet state in a pool of
 `max_sequences` device slots, by seq_id (a row at position 0 takes one, `release_sequence`
-frees it); their steps run on float32 activations, decode steps as graphs and the others
-eagerly, and only the full-attention layers have KV pages.
+frees it); their decode steps run as graphs and the others eagerly, and only the
+full-attention layers have KV pages.
 """
 
 from __future__ import annotations
@@ -96,10 +96,8 @@ class CudaRunner:
         if spec.head_dim % 32:
             raise ValueError(f"the CUDA kernels need head_dim to be a multiple of 32, got {spec.head_dim}")
         self.spec = spec
-        if spec.is_hybrid:  # eager steps on float32 activations (hybrid.py)
-            if spec.head_dim > 1024:
-                raise ValueError(f"the gated attention kernels need head_dim <= 1024, got {spec.head_dim}")
-            activations = "f32"
+        if spec.is_hybrid and spec.head_dim > 1024:
+            raise ValueError(f"the gated attention kernels need head_dim <= 1024, got {spec.head_dim}")
         self.max_context = min(max_context or spec.max_context, spec.max_context)
         split_len = split_len or _split_len(self.max_context)
         self.page_size = page_size

@@ -85,14 +85,16 @@ def make_quantize_rows(threads: int = THREADS):
 
     @aware
     def quantize_rows(x, xq8, xs, num_cols):
-        """Row blockIdx.x of float32 x[:, :num_cols] -> int8 blocks (one warp per block)."""
+        """Row blockIdx.x of float32 x[:, :num_cols] -> int8 blocks (one warp per block; the
+        grid's y blocks take turns of `nwarps` blocks: a long row is many blocks' work, not
+        one block's loop of dependent loads)."""
         grid_dep_launch()
         grid_dep_wait()
         m = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % 32
         nb = num_cols // 32
-        for it in range((nb + nwarps - 1) // nwarps):
+        for it in range(cuda.blockIdx.y, (nb + nwarps - 1) // nwarps, cuda.gridDim.y):
             blk = it * nwarps + tid // 32
             valid = blk < nb
             v = x[m, 32 * blk + lane] if valid else float32(0.0)
@@ -107,7 +109,8 @@ def quantize_rows_kernel(threads: int):
 
 
 def quantize_rows(x, xq8, xs, num_rows, num_cols, stream=0, threads=THREADS) -> None:
-    quantize_rows_kernel(threads)[num_rows, threads, stream](x, xq8, xs, num_cols)
+    turns = -(-(num_cols // 32) // (threads // 32))
+    quantize_rows_kernel(threads)[(num_rows, turns), threads, stream](x, xq8, xs, num_cols)
 
 
 def ptx_cases():
