@@ -1,12 +1,15 @@
 """`ninfer serve` on the tiny Qwen3.5 hybrid GGUF (reference backend), end to end through the
 official OpenAI and Anthropic SDKs against a real server on a loopback port: plain and
-streamed chat agree, and the second turn of a conversation reports prompt tokens served from
-the prefix cache (the first turn's state checkpoint)."""
+streamed chat agree, the second turn of a conversation reports prompt tokens served from
+the prefix cache (the first turn's state checkpoint), and /metrics shows the checkpoints kept
+and no recurrent state held at idle."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from server_fixtures import running_server, small_settings
+from server_fixtures import metric_values, running_server, small_settings
 
 pytest.importorskip("torch")
 from hybrid_models import hybrid, model  # noqa: E402, F401 (fixtures)
@@ -62,3 +65,19 @@ def test_anthropic_messages_plain_and_streamed_agree_and_the_next_turn_hits_the_
               {"role": "user", "content": "Thanks!"}]  # fmt: skip
     answer = client.messages.create(**{**args, "messages": follow})
     assert answer.usage.cache_read_input_tokens > 0
+
+
+def test_metrics_show_the_checkpoints_and_no_state_held_at_idle(server, openai_client):
+    model_id = openai_client.models.list().data[0].id
+    openai_client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=3, **SEEDED)  # fmt: skip
+    with server.http() as http:
+        for _ in range(100):  # the engine lets the sequence go as it delivers the last token
+            values = metric_values(http.get("/metrics").text)
+            if values["ninfer_requests_running"] == 0:
+                break
+            time.sleep(0.1)
+    assert values["ninfer_prefix_checkpoints"] >= 1 and values["ninfer_prefix_checkpoint_bytes"] > 0
+    # a state is held per running sequence only: every request has ended
+    assert values["ninfer_requests_running"] == 0
+    assert values["ninfer_recurrent_states"] == 0 and values["ninfer_recurrent_state_bytes"] == 0

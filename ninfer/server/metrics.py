@@ -35,6 +35,11 @@ _GAUGES = (
     ("ninfer_prefix_cache_pages", "num_prefix_cache_pages", "Device KV pages the prefix cache holds."),
     ("ninfer_prefix_host_pages", "num_prefix_host_pages", "Prefix-cache pages on the host tier."),
     ("ninfer_prefix_host_bytes", "prefix_host_bytes", "Host memory of the prefix cache's host tier."),
+    # hybrid models (zero for the others)
+    ("ninfer_recurrent_states", "num_recurrent_states", "Recurrent states the runner holds (hybrid models)."),
+    ("ninfer_recurrent_state_bytes", "recurrent_state_bytes", "Memory of the recurrent states the runner holds."),
+    ("ninfer_prefix_checkpoints", "num_prefix_checkpoints", "Recurrent-state checkpoints the prefix cache keeps."),
+    ("ninfer_prefix_checkpoint_bytes", "prefix_checkpoint_bytes", "Host memory of the prefix cache's checkpoints."),
 )
 _COUNTERS = (
     ("ninfer_prompt_tokens", "num_prompt_tokens", "Prompt tokens of admitted requests."),
