@@ -260,11 +260,14 @@ def load(model_arg: str | None, *, progress: bool = True) -> LoadedModel:
 async def open_runtime(
     model: LoadedModel, options: RuntimeOptions, config: EngineConfig
 ) -> AsyncIterator[tuple[object, Runner, str]]:
-    """Create the runner and open an engine on it: yields (engine, runner, backend)."""
+    """Create the runner and open an engine on it: yields (engine, runner, backend). The cpu
+    backend's kernels are loaded first (`warm_up_announced`)."""
     from ninfer.sched.engine import open_engine
 
     runner, backend, config = create_runner(model, options, config)
     try:
+        if backend == "cpu":
+            await warm_up_announced(runner)
         async with open_engine(
             config, runner, model.tokenizer, stop_token_ids=model.stop_token_ids
         ) as engine:
@@ -272,3 +275,34 @@ async def open_runtime(
     finally:
         runner.close()
 
+
+
+COMPILE_NOTICE = ("cpu backend: compiling its kernels (the first run takes a few minutes; later runs load "
+                  "them from the disk cache)")
+
+
+async def warm_up_announced(runner, *, notice_after_s: float = 2.0) -> None:
+    """`runner.warm_up()` off the event loop (`ninfer generate` / `chat` on the cpu backend).
+    numba compiles the kernels on a first run, for minutes on a small machine; when the warm-up
+    is still running after `notice_after_s`, stderr says so, and how long it took once done.
+    A warm disk cache loads them in about a second, silently."""
+    import sys
+    import time
+
+    import trio
+
+    started = time.perf_counter()
+    announced = False
+
+    async def notice() -> None:
+        nonlocal announced
+        await trio.sleep(notice_after_s)
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+        announced = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(notice)
+        await trio.to_thread.run_sync(runner.warm_up, abandon_on_cancel=True)  # Ctrl-C need not wait
+        nursery.cancel_scope.cancel()
+    if announced:
+        print(f"cpu backend: kernels ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)

@@ -392,3 +392,15 @@ def test_without_a_gpu_auto_builds_the_cpu_backend_and_warms_it(smollm2, monkeyp
     runner._k[:] = np.nan  # the warm-up runs real steps: a prompt (the per-layer path) and a decode token
     assert warm_up(runner, backend, config) is not None
     assert np.isfinite(runner._k[:, 0, :, :, :]).all() and np.isfinite(runner._k[:, 1, 0]).all()
+
+
+async def test_a_slow_warm_up_says_so_on_stderr_and_a_quick_one_stays_silent(smollm2, capsys):
+    """`ninfer generate` / `chat` on the cpu backend: a first run compiles for minutes, and says so."""
+    from ninfer.runtime import COMPILE_NOTICE, warm_up_announced
+
+    runner = CpuRunner(smollm2, num_pages=4, page_size=16)
+    await warm_up_announced(runner, notice_after_s=600.0)
+    assert capsys.readouterr().err == ""
+    await warm_up_announced(runner, notice_after_s=0.0)  # "still running" at once
+    err = capsys.readouterr().err
+    assert COMPILE_NOTICE in err and "cpu backend: kernels ready in" in err
