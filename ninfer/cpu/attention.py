@@ -19,7 +19,7 @@ _LOWEST = np.float32(-3.0e38)  # fastmath assumes no infinities: start the runni
 @njit(cache=True, fastmath=True)
 def attend_one(k_pool, v_pool, q, i, h, table, n, group, scale, out):
     """out[i, h]: query i's head h over positions 0 .. n - 1 of page table `table` (one task of
-    `paged_attention`; the fused decode forward, `step.py`, runs the same tasks)."""
+    `paged_attention`)."""
     head_dim, page_size, kv = q.shape[2], k_pool.shape[1], h // group
     scores = np.empty(n, np.float32)
     best = _LOWEST
@@ -43,12 +43,24 @@ def attend_one(k_pool, v_pool, q, i, h, table, n, group, scale, out):
         out[i, h, d] = acc[d] / total
 
 
+# Below this many multiply-adds (queries x heads x positions x head_dim) one thread attends:
+# a parallel launch costs microseconds to tens of them on a busy machine, about the work of one
+# short-context decode token.
+PARALLEL_FROM = 1 << 18
+
+
 @njit(parallel=True, cache=True)
-def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out):
+def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out, num_threads):
     """out[i, h] = softmax(q[i, h] . K * scale) V over positions 0 .. lengths[i] - 1 of
     page table tables[table_of[i]]; k_pool / v_pool [pages, page_size, kv heads, head_dim],
-    q / out [N, heads, head_dim]."""
-    num_queries, num_heads = q.shape[0], q.shape[1]
+    q / out [N, heads, head_dim]. One (query, head) task per iteration; one thread runs them
+    without the parallel launch (one thread asked for, or less than `PARALLEL_FROM` work)."""
+    num_queries, num_heads, head_dim = q.shape
+    if num_threads == 1 or num_queries * num_heads * lengths.max() * head_dim < PARALLEL_FROM:
+        for task in range(num_queries * num_heads):
+            i, h = task // num_heads, task % num_heads
+            attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)
+        return
     for task in prange(num_queries * num_heads):
         i, h = task // num_heads, task % num_heads
         attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)

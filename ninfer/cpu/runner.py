@@ -214,7 +214,7 @@ class CpuRunner(ReferenceRunner):
         q = np.ascontiguousarray(q, np.float32)
         out = np.empty_like(q)
         scale = np.float32(1.0 / np.sqrt(spec.head_dim))
-        paged_attention(self._k[slot], self._v[slot], q, np.ascontiguousarray(tables, np.int64),
-                        table_of, np.asarray(lengths, np.int64), spec.group_size, scale, out)  # fmt: skip
+        paged_attention(self._k[slot], self._v[slot], q, np.ascontiguousarray(tables, np.int64), table_of,
+                        np.asarray(lengths, np.int64), spec.group_size, scale, out, self.num_threads)  # fmt: skip
         return out.reshape(q.shape[0], spec.q_dim)
 

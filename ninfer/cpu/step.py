@@ -4,8 +4,8 @@
 products' dispatch, the attention's tables). At one SmolLM2 stream that glue cost about as
 much per step as all the attention: a third of a step on top of the products. `forward_layers`
 runs the same calls for all layers inside one compiled function, in the same order and with
-the same kernels (`gemm.gemm_q8`, `fused.py`, `attention.attend_one`), so its result is bit for
-bit the per-layer path's (the tests hold it there).
+the same kernels (`gemm.gemm_q8`, `fused.py`, `attention.paged_attention`), so its result is
+bit for bit the per-layer path's (the tests hold it there).
 
 The weights travel as one typed list of every quantized part of every layer (`LayerTables`,
 built once per runner) with per-part type codes and output columns, and per layer and matrix
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import attrs
 import numpy as np
-from numba import njit, prange, typed, types
+from numba import njit, typed, types
 
-from ninfer.cpu.attention import attend_one
+from ninfer.cpu.attention import paged_attention
 from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
 from ninfer.cpu.gemm import gemm_q8, quantize_rows
 
@@ -71,26 +71,6 @@ class LayerTables:
         )  # fmt: skip
 
 
-# Below this many multiply-adds (queries x heads x positions x head_dim) one thread attends:
-# a parallel launch costs tens of microseconds, about the work of one short-context decode token.
-PARALLEL_ATTENTION_FROM = 1 << 18
-
-
-@njit(parallel=True, cache=True)
-def _attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out, num_threads):
-    """`attention.paged_attention`'s tasks; one thread runs them without the parallel launch
-    (one thread asked for, or too little work to share)."""
-    num_queries, num_heads, head_dim = q.shape
-    if num_threads == 1 or num_queries * num_heads * lengths.max() * head_dim < PARALLEL_ATTENTION_FROM:
-        for task in range(num_queries * num_heads):
-            i, h = task // num_heads, task % num_heads
-            attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)
-        return
-    for task in prange(num_queries * num_heads):
-        i, h = task // num_heads, task % num_heads
-        attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)
-
-
 @njit(cache=True)
 def forward_layers(x, parts, qtypes, cols, bounds, norms, biases, slots, k_pools, v_pools, cos, sin, pages,
                    page_slots, tables, table_of, lengths, num_heads, num_kv_heads, head_dim, d_ffn, eps, scale,
@@ -131,7 +111,7 @@ def forward_layers(x, parts, qtypes, cols, bounds, norms, biases, slots, k_pools
                     qkv[t, j] += biases[layer, j]
         rope_store(qkv, q_dim, kv_dim, num_heads, num_kv_heads, head_dim, cos, sin, k_pool, v_pool, pages,
                    page_slots, q)  # fmt: skip
-        _attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, attn, num_threads)
+        paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, attn, num_threads)
         flat = attn.reshape(num_tokens, q_dim)
         quantize_rows(flat, aq, ad, as_)
         gemm_q8(aq, ad, as_, parts, qtypes, f16_table, o, cols, num_threads, b[1], b[2])
