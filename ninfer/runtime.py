@@ -182,32 +182,46 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
     backend = resolve_backend(options.backend, model.spec)
     config = config_for_model(model, config)
     num_pages = num_pages_for(model, config, backend, reserve_bytes=options.reserve_bytes)
+    runner = build_runner(
+        model, backend, num_pages=num_pages, page_size=config.page_size, max_batch_rows=options.max_batch_rows,
+        max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
+        activations=options.activations, max_sequences=config.max_concurrency,  # hybrids' state slots
+        kernel_cache=options.kernel_cache,
+    )  # fmt: skip
+    return runner, backend, config
+
+
+def build_runner(model, backend: str, *, num_pages: int, page_size: int, max_batch_rows: int,
+                 max_tokens_per_step: int, max_context: int | None, activations: str,
+                 max_sequences: int | None = None, kernel_cache: bool = True, use_graphs: bool = True,
+                 progress: bool = False) -> Runner:  # fmt: skip
+    """The runner of a resolved backend ('cuda', 'cpu' or 'reference') over `model` (a
+    LoadedModel, or (spec, weights) as `random_model` gives): `create_runner` and `ninfer
+    bench` build theirs here. The CUDA-only arguments are ignored elsewhere."""
+    from ninfer.gpu.blas import limit_blas_threads
+    from ninfer.gpu.reference import spec_and_weights
+
+    spec, _ = spec_and_weights(model)
     if backend == "cuda":
         from ninfer.gpu.cuda.runner import CudaRunner
 
-        use_kernel_cache(options.kernel_cache)
-        runner = CudaRunner(
-            model, num_pages=num_pages, page_size=config.page_size, max_batch_rows=options.max_batch_rows,
-            max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
-            activations=options.activations, max_sequences=config.max_concurrency,  # hybrids' state slots
+        use_kernel_cache(kernel_cache)
+        return CudaRunner(
+            model, num_pages=num_pages, page_size=page_size, max_batch_rows=max_batch_rows,
+            max_tokens_per_step=max_tokens_per_step, max_context=max_context, activations=activations,
+            max_sequences=max_sequences, use_graphs=use_graphs, progress=progress,
         )  # fmt: skip
-    elif backend == "cpu":
+    limit_blas_threads()  # the reference's (and the cpu prefill products') BLAS keeps one thread
+    if backend == "cpu":
         from ninfer.cpu.runner import SUPPORTED_ARCHS, CpuRunner, runs_on_cpu
-        from ninfer.gpu.blas import limit_blas_threads
 
-        if not runs_on_cpu(model.spec):
-            raise ConfigError(f"--backend cpu runs {', '.join(SUPPORTED_ARCHS)} models, not {model.spec.arch} "
+        if not runs_on_cpu(spec):
+            raise ConfigError(f"--backend cpu runs {', '.join(SUPPORTED_ARCHS)} models, not {spec.arch} "
                               "(hybrid qwen35 models: use --backend reference)")  # fmt: skip
+        return CpuRunner(model, num_pages=num_pages, page_size=page_size)
+    from ninfer.gpu.reference import ReferenceRunner
 
-        limit_blas_threads()  # the prefill products' BLAS keeps one thread
-        runner = CpuRunner(model, num_pages=num_pages, page_size=config.page_size)
-    else:
-        from ninfer.gpu.blas import limit_blas_threads
-        from ninfer.gpu.reference import ReferenceRunner
-
-        limit_blas_threads()
-        runner = ReferenceRunner(model, num_pages=num_pages, page_size=config.page_size)
-    return runner, backend, config
+    return ReferenceRunner(model, num_pages=num_pages, page_size=page_size)
 
 
 def use_kernel_cache(enabled: bool = True):

@@ -10,9 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+from hybrid_models import hybrid  # noqa: F401 (fixture)
 from server_fixtures import metric_values
 
 from ninfer.cache.pages import PagePool
+from ninfer.cluster.launch import auto_backend
 from ninfer.cache.prefix_index import PrefixIndex, salt_bytes
 from ninfer.cluster.metrics_text import merge_expositions
 from ninfer.cluster.prompt_keys import PromptKeyer, PromptModel, engine_model_salt, load_prompt_model, serve_page_size
@@ -306,3 +308,11 @@ def test_ninfer_cluster_without_ray_says_how_to_install_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2
     assert "pip install 'ninfer[cluster]'" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_auto_picks_what_serve_picks_without_a_gpu(smollm2_path, hybrid):
+    """`ninfer cluster --backend auto`: CUDA on a cluster with GPUs, else the cpu backend for a
+    llama-family GGUF and the reference backend for a hybrid (as `ninfer serve` decides)."""
+    assert auto_backend(True, str(smollm2_path)) == "cuda"
+    assert auto_backend(False, str(smollm2_path)) == "cpu"
+    assert auto_backend(False, str(hybrid.gguf_path)) == "reference"

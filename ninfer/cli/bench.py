@@ -106,7 +106,7 @@ def _model(args):
 
 
 def _runner(model, args):
-    from ninfer.runtime import resolve_backend, use_kernel_cache
+    from ninfer.runtime import build_runner, resolve_backend
 
     spec = model.spec if hasattr(model, "spec") else model[0]
     backend = resolve_backend(args.backend, spec)
@@ -114,27 +114,12 @@ def _runner(model, args):
     longest = max(max(args.prompt_lens), args.decode_prompt + args.decode_tokens + 2)
     per_seq = -(-longest // args.page_size)
     num_pages = per_seq * max(max_streams, 1) + per_seq
-    max_context = min(spec.max_context, max(longest, args.max_context or 0))
-    if backend == "cuda":
-        from ninfer.gpu.cuda.runner import CudaRunner
-
-        use_kernel_cache(args.kernel_cache)
-        runner = CudaRunner(model, num_pages=num_pages, page_size=args.page_size, max_batch_rows=max_streams,
-                            max_tokens_per_step=max(max(args.prompt_lens), args.decode_prompt * max_streams),
-                            max_context=max_context, activations=args.activations, use_graphs=not args.no_graphs,
-                            progress=True)  # fmt: skip
-    elif backend == "cpu":
-        from ninfer.cpu.runner import CpuRunner
-        from ninfer.gpu.blas import limit_blas_threads
-
-        limit_blas_threads()
-        runner = CpuRunner(model, num_pages=num_pages, page_size=args.page_size)
-    else:
-        from ninfer.gpu.blas import limit_blas_threads
-        from ninfer.gpu.reference import ReferenceRunner
-
-        limit_blas_threads()
-        runner = ReferenceRunner(model, num_pages=num_pages, page_size=args.page_size)
+    runner = build_runner(
+        model, backend, num_pages=num_pages, page_size=args.page_size, max_batch_rows=max_streams,
+        max_tokens_per_step=max(max(args.prompt_lens), args.decode_prompt * max_streams),
+        max_context=min(spec.max_context, max(longest, args.max_context or 0)), activations=args.activations,
+        kernel_cache=args.kernel_cache, use_graphs=not args.no_graphs, progress=True,
+    )  # fmt: skip
     return runner, backend
 
 

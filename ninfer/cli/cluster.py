@@ -54,9 +54,9 @@ def add_parsers(subparsers) -> None:
     parser.add_argument("--max-replicas", type=positive_int, help="... up to this many (both needed)")
     parser.add_argument("--target-ongoing-requests", type=float, default=8.0,
                         help="autoscaling target: requests running + queued per replica (8)")  # fmt: skip
-    parser.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
-                        help="auto: one GPU per replica when the Ray cluster has GPUs, "
-                             "else the CPU reference backend")  # fmt: skip
+    parser.add_argument("--backend", choices=("auto", "cuda", "cpu", "reference"), default="auto",
+                        help="auto: one GPU per replica when the Ray cluster has GPUs, else what `ninfer serve` "
+                             "picks without one (cpu for llama / qwen2 / qwen3, reference for the rest)")  # fmt: skip
     parser.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs each replica reserves (1)")
     parser.add_argument("--address",
                         help="an existing Ray cluster (`auto`, or ray://HOST:PORT); default: start a local one")  # fmt: skip

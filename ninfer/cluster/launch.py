@@ -19,14 +19,27 @@ class RayOptions:
 
 
 def resolve_backend(options: ClusterOptions) -> ClusterOptions:
-    """`auto`: CUDA with one GPU per replica when the cluster has GPUs, else the reference backend."""
+    """`auto` resolved on the cluster this process is connected to (`auto_backend`), and one GPU
+    per replica for CUDA unless the options ask for another share."""
     import ray
 
     backend = options.backend
     if backend == "auto":
-        backend = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "reference"
+        backend = auto_backend(ray.cluster_resources().get("GPU", 0) >= 1, options.model)
     gpus = 1.0 if backend == "cuda" and options.num_gpus_per_replica == 0 else options.num_gpus_per_replica
     return attrs.evolve(options, backend=backend, num_gpus_per_replica=gpus)
+
+
+def auto_backend(cluster_has_gpus: bool, model: str | None) -> str:
+    """`auto`: CUDA where the cluster has GPUs, else what `ninfer serve` picks without one
+    (`ninfer.runtime.resolve_backend`): the cpu backend for the models it runs, the reference
+    backend for the rest (the model's GGUF header or config tells which)."""
+    if cluster_has_gpus:
+        return "cuda"
+    from ninfer.cluster.prompt_keys import load_prompt_model
+    from ninfer.cpu.runner import runs_on_cpu
+
+    return "cpu" if runs_on_cpu(load_prompt_model(model).spec) else "reference"
 
 
 def start(options: ClusterOptions, ray_options: RayOptions) -> tuple[ClusterOptions, str]:
