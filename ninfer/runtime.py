@@ -100,11 +100,26 @@ def config_for_model(model: LoadedModel, config: EngineConfig) -> EngineConfig:
     return config.for_model(model.spec.max_context, cap=DEFAULT_CONTEXT_CAP)
 
 
+# CUDA, hybrid models: device slots for the prefix cache's newest state checkpoints (a hit on
+# one restores it device to device; older ones are demoted to host copies): one per lane, at most
+# this many (about 157 MB each at Qwen3.5-27B sizes)
+MAX_CHECKPOINT_SLOTS = 8
+
+
+def checkpoint_slots_for(spec, config: EngineConfig, backend: str) -> int:
+    """The runner's checkpoint slots (`MAX_CHECKPOINT_SLOTS`): CUDA hybrids with the prefix
+    cache on; elsewhere the host copies are all there is."""
+    if backend != "cuda" or not spec.is_hybrid or not config.prefix_cache:
+        return 0
+    return min(config.max_concurrency, MAX_CHECKPOINT_SLOTS)
+
+
 def state_nbytes_for(model: LoadedModel, config: EngineConfig, backend: str) -> int:
     """Device memory of the recurrent states a runner for `config` holds (hybrid models; 0
     otherwise): one float32 state per lane (the engine checks the runner holds that many), and
-    on CUDA one spare slot (graph padding rows write there)."""
+    on CUDA one spare slot (graph padding rows write there) and the checkpoint slots."""
     lanes = config.max_concurrency + (1 if backend == "cuda" else 0)
+    lanes += checkpoint_slots_for(model.spec, config, backend)
     return lanes * model.spec.recurrent_state_nbytes(4)
 
 
@@ -186,15 +201,15 @@ def create_runner(model: LoadedModel, options: RuntimeOptions, config: EngineCon
         model, backend, num_pages=num_pages, page_size=config.page_size, max_batch_rows=options.max_batch_rows,
         max_tokens_per_step=options.max_tokens_per_step, max_context=config.max_context,
         activations=options.activations, max_sequences=config.max_concurrency,  # hybrids' state slots
-        kernel_cache=options.kernel_cache,
+        checkpoint_slots=checkpoint_slots_for(model.spec, config, backend), kernel_cache=options.kernel_cache,
     )  # fmt: skip
     return runner, backend, config
 
 
 def build_runner(model, backend: str, *, num_pages: int, page_size: int, max_batch_rows: int,
                  max_tokens_per_step: int, max_context: int | None, activations: str,
-                 max_sequences: int | None = None, kernel_cache: bool = True, use_graphs: bool = True,
-                 progress: bool = False) -> Runner:  # fmt: skip
+                 max_sequences: int | None = None, checkpoint_slots: int = 0, kernel_cache: bool = True,
+                 use_graphs: bool = True, progress: bool = False) -> Runner:  # fmt: skip
     """The runner of a resolved backend ('cuda', 'cpu' or 'reference') over `model` (a
     LoadedModel, or (spec, weights) as `random_model` gives): `create_runner` and `ninfer
     bench` build theirs here. The CUDA-only arguments are ignored elsewhere."""
@@ -209,7 +224,7 @@ def build_runner(model, backend: str, *, num_pages: int, page_size: int, max_bat
         return CudaRunner(
             model, num_pages=num_pages, page_size=page_size, max_batch_rows=max_batch_rows,
             max_tokens_per_step=max_tokens_per_step, max_context=max_context, activations=activations,
-            max_sequences=max_sequences, use_graphs=use_graphs, progress=progress,
+            max_sequences=max_sequences, checkpoint_slots=checkpoint_slots, use_graphs=use_graphs, progress=progress,
         )  # fmt: skip
     limit_blas_threads()  # the reference's (and the cpu prefill products') BLAS keeps one thread
     if backend == "cpu":

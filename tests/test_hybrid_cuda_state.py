@@ -6,9 +6,10 @@ pool); tests/test_cuda_hybrid.py's models and helpers are reused:
 a prompt's state copied to the host matches the reference's; a sequence rewound to it, and a
 new sequence started from it at that position (its own slot), sample what the sequence did the
 first time; a full pool refuses a restore into a new sequence; a snapshot of a sequence that
-holds no state is refused.
+holds no state is refused. And the checkpoint slots (the prefix cache's device tier): a state
+saved into one restores device to device into new sequences, and demotes to a host copy.
 
-    python tests/test_hybrid_cuda_state.py [tiny|real]   # prints {"state_copies": "ok" | traceback}
+    python tests/test_hybrid_cuda_state.py [tiny|real]   # prints {check: "ok" | traceback}
 """
 
 from __future__ import annotations
@@ -61,12 +62,47 @@ def check_state_copies(scale: str = "tiny") -> None:
         raise AssertionError("a snapshot of a released sequence was not refused")
 
 
-def run(scale: str = "tiny") -> dict[str, str]:
+def check_checkpoint_slots(scale: str = "tiny") -> None:
+    """The prefix cache's device tier: a state saved into a checkpoint slot (device to device)
+    restores into new sequences with the logits the sequence had, and stays in its slot; its
+    demoted host copy equals a host snapshot; a freed slot's snapshot is refused."""
+    from test_cuda_hybrid import _row, _runners, _setup
+
+    spec, model, kv, rtol = _setup(scale, num_layers=2)
+    cr, _ = _runners(model, kv, max_sequences=3, checkpoint_slots=1)
+    prompt = np.random.default_rng(6).integers(0, spec.vocab_size, 6)
+    (tok,) = [t.token_id for t in cr.step([_row(1, prompt, 0)])]
+    saved, host = cr.save_checkpoint(1), cr.snapshot_state(1)
+    assert saved.on_device and cr.num_free_checkpoint_slots == 0 and saved.slot_nbytes == cr.state_nbytes
+    first = cr.step([_row(1, [tok], 6, index=1)])[0]  # sequence 1 goes on past the checkpoint
+    for seq_id in (5, 9):  # each a new sequence from the slot (over sequence 1's pages: _row maps both there)
+        cr.restore_state(seq_id, saved)
+        np.testing.assert_array_equal(cr.step([_row(seq_id, [tok], 6, index=1)])[0].logits, first.logits)
+        cr.release_sequence(seq_id)
+    demoted = cr.demote_checkpoint(saved)
+    assert not demoted.on_device and cr.num_free_checkpoint_slots == 1
+    for got, want in zip(demoted.arrays, host.arrays, strict=True):
+        np.testing.assert_array_equal(got, want)
     try:
-        check_state_copies(scale)
-        return {"state_copies": "ok"}
-    except Exception:  # noqa: BLE001 - reported to the test
-        return {"state_copies": traceback.format_exc()}
+        cr.restore_state(7, saved)
+    except ValueError as e:
+        assert "no longer holds" in str(e), e
+    else:
+        raise AssertionError("a freed checkpoint slot's snapshot was not refused")
+
+
+CHECKS = {"state_copies": check_state_copies, "checkpoint_slots": check_checkpoint_slots}
+
+
+def run(scale: str = "tiny") -> dict[str, str]:
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            check(scale)
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = traceback.format_exc()
+    return results
 
 
 def test_cuda_state_copies_under_the_simulator():
@@ -76,8 +112,8 @@ def test_cuda_state_copies_under_the_simulator():
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if not lines:
         pytest.fail(f"the simulator child printed no results (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    result = json.loads(lines[-1])["state_copies"]
-    assert result == "ok", result
+    results = json.loads(lines[-1])
+    assert results == dict.fromkeys(CHECKS, "ok"), results
 
 
 def _has_gpu() -> bool:
@@ -89,8 +125,8 @@ def _has_gpu() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
 def test_cuda_state_copies_on_gpu():
-    result = run("real")["state_copies"]
-    assert result == "ok", result
+    results = run("real")
+    assert results == dict.fromkeys(CHECKS, "ok"), results
 
 
 if __name__ == "__main__":

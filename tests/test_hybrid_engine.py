@@ -186,6 +186,64 @@ async def test_a_lookup_falls_back_to_the_longest_boundary_with_a_checkpoint(mod
     assert_idle(stats, runner)
 
 
+class CountingRunner(ReferenceRunner):
+    """The reference runner, counting where each restored state came from."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.restored = {"device": 0, "host": 0}
+
+    def restore_state(self, seq_id, snapshot):
+        self.restored["device" if snapshot.on_device else "host"] += 1
+        super().restore_state(seq_id, snapshot)
+
+
+async def test_device_checkpoints_demote_to_host_copies_and_both_restore_exactly(model):
+    """A runner with one checkpoint slot: each new checkpoint takes the slot and the one there
+    is demoted to a host copy. The lookups of the fallback scenario then restore from the slot
+    (a: e's) and from demoted copies (d: e's, c: a's), with the cold runs' tokens."""
+    a = list(np.random.default_rng(3).integers(0, 256, 30))
+    other = list(np.random.default_rng(4).integers(0, 256, 20))
+    prompts = {"e": a[:13], "a": a, "d": a[:22] + other[:8], "c": a + other[:6], "b": other}
+    reqs = [make_requests(model, [p], max_tokens=6, tag=name)[0] for name, p in prompts.items()]
+    runner = CountingRunner(model, num_pages=64, page_size=PAGE, checkpoint_slots=1)
+    results = []
+    async with open_engine(engine_config(), runner, model.tokenizer, stop_token_ids=()) as engine:
+        for req in reqs:
+            results.append((await collect_all(engine, [req]))[0])
+        stats = engine.statistics()
+        cache = engine._state.prefix
+        got = {req.request_id[0]: r.finished.usage.cached_tokens for req, r in zip(reqs, results, strict=True)}
+        assert got == {"e": 0, "a": 12, "d": 12, "c": 28, "b": 0}
+        assert runner.restored == {"device": 1, "host": 2}
+        assert stats.num_prefix_checkpoints == 5 and stats.num_prefix_device_checkpoints == 1
+        assert stats.prefix_checkpoint_bytes == 4 * runner.state_nbytes  # the demoted four
+        assert runner.num_free_checkpoint_slots == 0
+        assert cache._tiers.release_checkpoint == runner.release_checkpoint  # dropped ones free their slot
+        assert_idle(stats, runner)
+    for r, want in zip(results, await cold(model, reqs, num_pages=64), strict=True):
+        assert r.token_ids == want.token_ids
+
+
+async def test_evicting_an_entry_releases_its_checkpoint_slot(model):
+    from ninfer.cache.prefix import PrefixCache, model_salt
+
+    runner = ReferenceRunner(model, num_pages=64, page_size=PAGE, checkpoint_slots=2)
+    cache = PrefixCache(page_size=PAGE, page_nbytes=runner.page_nbytes, salt=model_salt(runner.spec, "t"),
+                        checkpoint_budget_bytes=4 * runner.state_nbytes)  # no host tier: a reclaim evicts
+    cache.set_checkpoint_release(runner.release_checkpoint)
+    async with open_engine(engine_config(), runner, model.tokenizer, prefix_cache=cache) as engine:
+        for req in make_requests(model, PROMPTS[:3], max_tokens=4):
+            await collect_all(engine, [req])
+        stats = engine.statistics()
+        assert (stats.num_prefix_checkpoints, stats.num_prefix_device_checkpoints) == (3, 2)
+        assert runner.num_free_checkpoint_slots == 0
+        cache.reclaim(cache.num_reclaimable_pages(), engine._state.pool)
+    after = cache.statistics()
+    assert after.num_checkpoints == after.num_device_checkpoints == after.checkpoint_bytes == 0
+    assert runner.num_free_checkpoint_slots == 2
+
+
 async def test_checkpoints_stay_within_their_budget(model):
     from ninfer.cache.prefix import PrefixCache, model_salt
 
@@ -240,7 +298,10 @@ def test_auto_kv_sizing_takes_every_lanes_state_out_of_the_budget(model):
     config = engine_config(max_concurrency=8)
     state = ReferenceRunner(model, num_pages=1, page_size=PAGE).state_nbytes
     assert runtime.state_nbytes_for(model, config, "reference") == 8 * state
-    assert runtime.state_nbytes_for(model, config, "cuda") == 9 * state  # and the graphs' spare slot
+    # and the graphs' spare slot and the prefix cache's 8 checkpoint slots (none without the cache)
+    assert runtime.state_nbytes_for(model, config, "cuda") == 17 * state
+    assert runtime.state_nbytes_for(model, engine_config(max_concurrency=8, prefix_cache=False), "cuda") == 9 * state
+    assert runtime.checkpoint_slots_for(model.spec, engine_config(max_concurrency=2), "cuda") == 2
     page_bytes = model.spec.kv_bytes_per_token(4) * PAGE
     want = (runtime.REFERENCE_AUTO_KV_BYTES - 8 * state) // page_bytes
     assert runtime.num_pages_for(model, config, "reference") == want

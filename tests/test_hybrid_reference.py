@@ -218,3 +218,34 @@ def test_a_state_snapshot_restores_into_the_same_or_another_sequence(model):
     np.testing.assert_array_equal(runner.step([row(3, ids[8:], 8)])[0].logits, want.logits)
     with pytest.raises(ValueError, match="no recurrent state"):
         runner.snapshot_state(9)
+
+
+def test_checkpoint_slots_save_restore_demote_and_release(model):
+    """The runner's own checkpoint slots (the prefix cache's device tier): a saved state
+    restores exactly (and stays in its slot), its demoted host copy equals a host snapshot and
+    restores the same, a freed slot's snapshot is refused, and a full set of slots refuses more."""
+    runner = ReferenceRunner(model, num_pages=32, page_size=PAGE, checkpoint_slots=1)
+    ids = prompt(12, seed=5)
+    runner.step([row(1, ids[:8], 0, sample=False)])
+    saved, host = runner.save_checkpoint(1), runner.snapshot_state(1)
+    assert saved.on_device and saved.slot == 0 and saved.nbytes == 0 and saved.slot_nbytes == runner.state_nbytes
+    assert runner.num_checkpoint_slots == 1 and runner.num_free_checkpoint_slots == 0
+    want = runner.step([row(1, ids[8:], 8)])[0]  # sequence 1 goes on past the checkpoint
+    with pytest.raises(ValueError, match="no free checkpoint slot"):
+        runner.save_checkpoint(1)
+    for seq_id in (2, 3):  # restored twice from the slot: it stays there
+        runner.restore_state(seq_id, saved)
+        np.testing.assert_array_equal(runner.step([row(seq_id, ids[8:], 8)])[0].logits, want.logits)
+    demoted = runner.demote_checkpoint(saved)
+    assert not demoted.on_device and runner.num_free_checkpoint_slots == 1
+    for got, expected in zip(demoted.arrays, host.arrays, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    runner.restore_state(4, demoted)
+    np.testing.assert_array_equal(runner.step([row(4, ids[8:], 8)])[0].logits, want.logits)
+    with pytest.raises(ValueError, match="no longer holds"):
+        runner.restore_state(5, saved)  # its slot was freed by the demotion
+    again = runner.save_checkpoint(2)
+    runner.release_checkpoint(again)
+    assert runner.num_free_checkpoint_slots == 1
+    with pytest.raises(ValueError, match="no longer holds"):
+        runner.release_checkpoint(again)

@@ -25,7 +25,8 @@ It implements the scheduler's `PrefixCacheHook` (`ninfer/sched/prefix_hook.py`):
 
 Hybrid models (recurrent state; `checkpoint_budget_bytes` set): KV pages alone cannot resume a
 sequence, which also needs the Gated DeltaNet state after exactly those tokens. The cache keeps
-*checkpoints* of that state (`StateSnapshot`, host memory) beside full-page entries, and a hit
+*checkpoints* of that state (`StateSnapshot`: a host copy, or a state in one of the runner's
+checkpoint slots, device memory) beside full-page entries, and a hit
 reuses only the longest walked chain whose last page has one: pages past it are left to compute
 (and no partial tail is ever copied or kept, as no checkpoint lies mid-page). The hit hands the
 checkpoint to the sequence (`seq.start_state`), which the runner restores into its state before
@@ -37,9 +38,12 @@ stores it beside the entry of the page ending at B (published as that row comple
 as far as a lookup of the same prompt walks, and the next turn of a conversation (this prompt,
 the reply, a new message) walks past it: it reuses everything up to B and computes the rest of
 the previous prompt, the reply and its new message, then checkpoints its own prompt boundary.
-Checkpoints have their own byte budget (`checkpoint_budget_bytes`); a new one drops the least
-recently used others until it fits, and evicting an entry drops its checkpoint. Read-only
-requests take none.
+Host copies have their own byte budget (`checkpoint_budget_bytes`); a new one drops the least
+recently used others until it fits, and evicting an entry drops its checkpoint (a device one's
+slot is released: `set_checkpoint_release`). With checkpoint slots the step task saves each new
+checkpoint into a slot, first demoting the least recently used device one to a host copy when
+every slot is taken (`take_oldest_device_checkpoint`, `keep_demoted`). Read-only requests take
+none.
 
 Every KV copy this needs is queued in a `CacheIO` batch (see `host_tier.py`): the owner of the
 runner calls `take_io()`, runs the batch off the event loop and hands the result back to
@@ -47,6 +51,8 @@ runner calls `take_io()`, runs the batch off the event loop and hands the result
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -84,7 +90,8 @@ class PrefixCacheStatistics:
     host_budget_bytes: int
     num_waits: int = 0  # requests that waited for pages another request was computing
     num_checkpoints: int = 0  # hybrid models: recurrent-state checkpoints held now
-    checkpoint_bytes: int = 0  # their host bytes
+    num_device_checkpoints: int = 0  # of those, in the runner's checkpoint slots
+    checkpoint_bytes: int = 0  # the host ones' bytes
     checkpoint_budget_bytes: int = 0
 
 
@@ -216,17 +223,34 @@ class PrefixCache:
         seq.num_cached = seq.num_cached_prompt = 0
         seq.start_state, seq.checkpoint_at = None, 0
 
-    def keep_checkpoint(self, seq, snapshot: StateSnapshot) -> None:
+    def keep_checkpoint(self, seq, snapshot: StateSnapshot) -> bool:
         """Keep the recurrent state `seq` reached at a page boundary (its `checkpoint_at`) beside
-        the entry of the page ending there (published as the row completed it); nothing when
-        that page is not cached (a collision, an eviction) or the budget is too small."""
+        the entry of the page ending there (published as the row completed it); nothing (False:
+        a device checkpoint's slot stays the caller's) when that page is not cached (a
+        collision, an eviction) or the budget is too small."""
         size = self.page_size
         if not self.is_recurrent or seq.request.cache_read_only or snapshot.num_tokens % size:
-            return
+            return False
         chain = self._published.get(seq.seq_id) or []
         index = snapshot.num_tokens // size - 1
         if 0 <= index < len(chain) and chain[index] in self._index:
-            self._tiers.keep_checkpoint(chain[index], snapshot)
+            return self._tiers.keep_checkpoint(chain[index], snapshot)
+        return False
+
+    def set_checkpoint_release(self, release: Callable[[StateSnapshot], None]) -> None:
+        """Where dropped device checkpoints go (the runner's `release_checkpoint`)."""
+        self._tiers.release_checkpoint = release
+
+    def take_oldest_device_checkpoint(self) -> tuple[CacheEntry, StateSnapshot] | None:
+        """The least recently used checkpoint in a device slot, taken out of the cache with its
+        entry (to be demoted to a host copy and handed back to `keep_demoted`), or None."""
+        entry = self._tiers.oldest_device_checkpoint()
+        return None if entry is None else (entry, self._tiers.take_checkpoint(entry))
+
+    def keep_demoted(self, entry: CacheEntry, snapshot: StateSnapshot) -> bool:
+        """A demoted checkpoint's host copy back beside its entry, if the entry is still cached
+        and the host budget takes it."""
+        return entry in self._index and self._tiers.keep_checkpoint(entry, snapshot)
 
     def publish(self, seq, pool: PagePool) -> None:
         """Keep a finished sequence's computed pages (before it releases them)."""
@@ -368,6 +392,7 @@ class PrefixCache:
             host_bytes=self._host.num_bytes,
             host_budget_bytes=self._host.budget_bytes,
             num_checkpoints=tiers.num_checkpoints,
+            num_device_checkpoints=tiers.num_device_checkpoints,
             checkpoint_bytes=tiers.checkpoint_bytes,
             checkpoint_budget_bytes=tiers.checkpoint_budget_bytes,
         )

@@ -13,6 +13,7 @@ Nothing here blocks: every copy is queued in a `CacheIO` for the owner of the ru
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from ninfer.cache.host_tier import CacheIO, HostTier
 from ninfer.cache.pages import PagePool
@@ -27,10 +28,14 @@ class Tiers:
                  checkpoint_budget_bytes: int = 0):  # fmt: skip
         self.index = index
         self.host = host
-        # Hybrid models: recurrent-state checkpoints beside entries, within their own byte budget.
+        # Hybrid models: recurrent-state checkpoints beside entries: host copies within their own
+        # byte budget, and (runners with checkpoint slots) device ones, each freed through
+        # `release_checkpoint` when dropped.
         self.checkpoint_budget_bytes = checkpoint_budget_bytes
         self.checkpoint_bytes = 0
         self.num_checkpoints = 0
+        self.num_device_checkpoints = 0
+        self.release_checkpoint: Callable[[StateSnapshot], None] | None = None
         self.num_reserved_pages = num_reserved_pages
         self.pool: PagePool | None = None
         self.io = CacheIO()
@@ -133,15 +138,22 @@ class Tiers:
     # -- state checkpoints (hybrid models) -----------------------------------------------
 
     def keep_checkpoint(self, entry: CacheEntry, snapshot: StateSnapshot) -> bool:
-        """Keep `snapshot` beside the entry, dropping the least recently used other checkpoints
-        until it fits the budget; False (nothing kept) when it is larger than the budget."""
+        """Keep `snapshot` beside the entry. A device checkpoint (in a runner's checkpoint slot)
+        is kept as it is; a host one drops the least recently used other host checkpoints until
+        it fits the budget, and is not kept (False) when it is larger than the budget."""
+        if snapshot.on_device:
+            self.drop_checkpoint(entry)
+            entry.checkpoint = snapshot
+            self.num_checkpoints += 1
+            self.num_device_checkpoints += 1
+            return True
         if snapshot.nbytes > self.checkpoint_budget_bytes:
             return False
         self.drop_checkpoint(entry)
         for victim in list(self.index):  # least recently used first
             if self.checkpoint_bytes + snapshot.nbytes <= self.checkpoint_budget_bytes:
                 break
-            if victim is not entry:
+            if victim is not entry and victim.checkpoint is not None and not victim.checkpoint.on_device:
                 self.drop_checkpoint(victim)
         entry.checkpoint = snapshot
         self.checkpoint_bytes += snapshot.nbytes
@@ -149,10 +161,25 @@ class Tiers:
         return True
 
     def drop_checkpoint(self, entry: CacheEntry) -> None:
-        if entry.checkpoint is not None:
-            self.checkpoint_bytes -= entry.checkpoint.nbytes
+        """Forget the entry's checkpoint (a device one's slot is released)."""
+        snapshot = self.take_checkpoint(entry)
+        if snapshot is not None and snapshot.on_device:
+            self.release_checkpoint(snapshot)
+
+    def take_checkpoint(self, entry: CacheEntry) -> StateSnapshot | None:
+        """The entry's checkpoint, taken out of the cache (a device one's slot is the caller's)."""
+        snapshot, entry.checkpoint = entry.checkpoint, None
+        if snapshot is not None:
             self.num_checkpoints -= 1
-            entry.checkpoint = None
+            if snapshot.on_device:
+                self.num_device_checkpoints -= 1
+            else:
+                self.checkpoint_bytes -= snapshot.nbytes
+        return snapshot
+
+    def oldest_device_checkpoint(self) -> CacheEntry | None:
+        """The least recently used entry whose checkpoint is in a device slot."""
+        return next((e for e in self.index if e.checkpoint is not None and e.checkpoint.on_device), None)
 
     # -- hits ----------------------------------------------------------------------------
 

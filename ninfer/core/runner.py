@@ -123,13 +123,22 @@ class PageSnapshot:
 @attrs.frozen(eq=False)
 class StateSnapshot:
     """One sequence's recurrent state after its first `num_tokens` tokens, in host memory
-    (the arrays are the runner's to read: opaque to the scheduler and the prefix cache)."""
+    (the arrays are the runner's to read: opaque to the scheduler and the prefix cache), or,
+    with `slot` set, in one of the runner's checkpoint slots (device memory: `arrays` empty;
+    `RecurrentState.save_checkpoint`)."""
 
     num_tokens: int
     arrays: tuple[np.ndarray, ...]
+    slot: int | None = None  # the runner's checkpoint slot holding the state
+    slot_nbytes: int = 0  # that slot's bytes (the state's size)
+
+    @property
+    def on_device(self) -> bool:
+        return self.slot is not None
 
     @property
     def nbytes(self) -> int:
+        """Host bytes (a checkpoint slot's state takes none)."""
         return sum(int(a.nbytes) for a in self.arrays)
 
 
@@ -261,7 +270,30 @@ class RecurrentState(Protocol):
         ValueError when it holds none."""
 
     def restore_state(self, seq_id: int, snapshot: StateSnapshot) -> None:
-        """Make `snapshot` the sequence's state: its next row starts at `snapshot.num_tokens`."""
+        """Make `snapshot` the sequence's state: its next row starts at `snapshot.num_tokens`
+        (a snapshot in a checkpoint slot is copied from there, and stays)."""
+
+    # Device checkpoints (optional: runners whose `num_checkpoint_slots` > 0). The prefix
+    # cache's newest state checkpoints stay in the runner's own memory, where a hit restores
+    # them without a host copy; older ones are demoted to host copies.
+
+    @property
+    def num_checkpoint_slots(self) -> int:
+        """Checkpoint slots the runner holds (0: none)."""
+
+    @property
+    def num_free_checkpoint_slots(self) -> int:
+        """Checkpoint slots free now."""
+
+    def save_checkpoint(self, seq_id: int) -> StateSnapshot:
+        """Copy the sequence's state (after the queued steps) into a free checkpoint slot: a
+        snapshot with `slot` set. ValueError when it holds none or no slot is free."""
+
+    def demote_checkpoint(self, snapshot: StateSnapshot) -> StateSnapshot:
+        """The host copy of a checkpoint slot's state; the slot is free afterwards."""
+
+    def release_checkpoint(self, snapshot: StateSnapshot) -> None:
+        """Free the snapshot's checkpoint slot (bookkeeping only: no copy, no wait)."""
 
 
 def recurrent_state(runner) -> RecurrentState | None:
@@ -269,3 +301,51 @@ def recurrent_state(runner) -> RecurrentState | None:
     if getattr(runner.spec, "is_hybrid", False) and hasattr(runner, "snapshot_state"):
         return runner
     return None
+
+
+def has_checkpoint_slots(runner) -> bool:
+    """Whether the runner keeps device checkpoints (`RecurrentState.save_checkpoint`)."""
+    return getattr(runner, "num_checkpoint_slots", 0) > 0
+
+
+@attrs.define(eq=False)
+class CheckpointSlots:
+    """Which of a runner's `count` checkpoint slots hold a state, and which snapshot stands for
+    it (a runner's bookkeeping; the states live where the runner keeps them)."""
+
+    count: int
+    _free: list[int] = attrs.field(init=False)
+    _held: dict[int, StateSnapshot | None] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"checkpoint slots must be >= 0, got {self.count}")
+        self._free = list(range(self.count - 1, -1, -1))  # pop() takes slot 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        """A free slot, reserved (`hold` names the snapshot that stands for it)."""
+        if not self._free:
+            raise ValueError(f"no free checkpoint slot: all {self.count} hold a state (demote or release one)")
+        slot = self._free.pop()
+        self._held[slot] = None
+        return slot
+
+    def hold(self, snapshot: StateSnapshot) -> StateSnapshot:
+        self._held[snapshot.slot] = snapshot
+        return snapshot
+
+    def check(self, snapshot: StateSnapshot) -> int:
+        """The snapshot's slot, checked to still hold its state (not freed, not taken again)."""
+        if snapshot.slot is None or self._held.get(snapshot.slot) is not snapshot:
+            raise ValueError(f"checkpoint slot {snapshot.slot} no longer holds this snapshot's state")
+        return snapshot.slot
+
+    def free(self, snapshot: StateSnapshot) -> int:
+        slot = self.check(snapshot)
+        del self._held[slot]
+        self._free.append(slot)
+        return slot

@@ -45,7 +45,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from ninfer.core.runner import PageSnapshot, SampledToken, StateSnapshot, StepRow, SyncSubmit, check_hidden_layers
+from ninfer.core.runner import (
+    CheckpointSlots, PageSnapshot, SampledToken, StateSnapshot, StepRow, SyncSubmit, check_hidden_layers,
+)
 from ninfer.gpu import gdn, sampling
 from ninfer.models.spec import LINEAR_ATTENTION, ModelSpec
 from ninfer.models.weights import ModelWeights
@@ -97,7 +99,9 @@ class _Batch:
 class ReferenceRunner(SyncSubmit):
     """`Runner` on numpy: float32 weights, a preallocated paged KV pool, the reference sampler."""
 
-    def __init__(self, model, *, num_pages: int, page_size: int = 16, dtype=np.float32):
+    def __init__(self, model, *, num_pages: int, page_size: int = 16, dtype=np.float32, checkpoint_slots: int = 0):
+        """`checkpoint_slots` (hybrid models): state checkpoints the runner keeps itself
+        (`save_checkpoint`); here they are host arrays like any other, so the default is none."""
         spec, weights = spec_and_weights(model)
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages} and {page_size}")
@@ -114,6 +118,8 @@ class ReferenceRunner(SyncSubmit):
         self._k = np.zeros(kv_shape, dtype=self.dtype)
         self._v = np.zeros(kv_shape, dtype=self.dtype)
         self._states = gdn.StateStore(spec.gdn, len(spec.gdn_layers), self.dtype) if spec.is_hybrid else None
+        self._checkpoints = CheckpointSlots(checkpoint_slots if spec.is_hybrid else 0)
+        self._checkpoint_arrays: dict[int, tuple[np.ndarray, ...]] = {}
 
     @property
     def page_nbytes(self) -> int:
@@ -401,7 +407,34 @@ class ReferenceRunner(SyncSubmit):
         `snapshot.num_tokens` (a resumed pause, or a prefix reused from a checkpoint)."""
         if self._states is None:
             raise ValueError("a dense model keeps no recurrent state")
-        self._states.restore(seq_id, snapshot.num_tokens, *snapshot.arrays)
+        arrays = self._checkpoint_arrays[self._checkpoints.check(snapshot)] if snapshot.on_device else snapshot.arrays
+        self._states.restore(seq_id, snapshot.num_tokens, *arrays)
+
+    # -- checkpoint slots (RecurrentState's optional device tier) --------------------------------
+
+    @property
+    def num_checkpoint_slots(self) -> int:
+        return self._checkpoints.count
+
+    @property
+    def num_free_checkpoint_slots(self) -> int:
+        return self._checkpoints.num_free
+
+    def save_checkpoint(self, seq_id: int) -> StateSnapshot:
+        """The sequence's state copied into a free checkpoint slot."""
+        if self._states is None:
+            raise ValueError("a dense model keeps no recurrent state")
+        num_tokens, arrays = self._states.snapshot(seq_id)  # raises first when it holds none
+        slot = self._checkpoints.take()
+        self._checkpoint_arrays[slot] = arrays
+        return self._checkpoints.hold(StateSnapshot(num_tokens, (), slot=slot, slot_nbytes=self.state_nbytes))
+
+    def demote_checkpoint(self, snapshot: StateSnapshot) -> StateSnapshot:
+        arrays = self._checkpoint_arrays.pop(self._checkpoints.free(snapshot))
+        return StateSnapshot(snapshot.num_tokens, arrays)
+
+    def release_checkpoint(self, snapshot: StateSnapshot) -> None:
+        del self._checkpoint_arrays[self._checkpoints.free(snapshot)]
 
     def recurrent_state(self, seq_id: int) -> gdn.SequenceState | None:
         """A sequence's recurrent state (tests and tools; the arrays are the runner's own)."""

@@ -24,7 +24,7 @@ import trio
 
 from ninfer.cache.pages import PagePool, pages_for_tokens
 from ninfer.cache.prefix import PrefixCache, model_salt
-from ninfer.core.runner import Runner, recurrent_state
+from ninfer.core.runner import Runner, has_checkpoint_slots, recurrent_state
 from ninfer.sched.config import EngineConfig
 from ninfer.sched.lane import run_lane
 from ninfer.sched.output import OutputText
@@ -90,7 +90,9 @@ def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHoo
 
     Hybrid models: a prefix is reusable only where a checkpoint of the recurrent state after
     it exists (cache/prefix.py); half of `host_cache_bytes` holds those checkpoints, the other
-    half the host tier's pages. A hybrid runner that cannot copy its state gets no cache."""
+    half the host tier's pages (a runner with checkpoint slots keeps the newest checkpoints in
+    them, device memory, and they are demoted to those host bytes as newer ones come). A hybrid
+    runner that cannot copy its state gets no cache."""
     if not config.prefix_cache:
         return NoPrefixCache()
     host_bytes, checkpoint_bytes = config.host_cache_bytes, None
@@ -99,7 +101,7 @@ def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHoo
             return NoPrefixCache()
         checkpoint_bytes = host_bytes // 2
         host_bytes -= checkpoint_bytes
-    return PrefixCache(
+    cache = PrefixCache(
         page_size=runner.page_size,
         page_nbytes=runner.page_nbytes,
         host_budget_bytes=host_bytes,
@@ -109,6 +111,9 @@ def default_prefix_cache(config: EngineConfig, runner: Runner) -> PrefixCacheHoo
         # at most an eighth of the pool).
         num_reserved_pages=min(config.max_concurrency, runner.num_pages // 8),
     )
+    if has_checkpoint_slots(runner):  # the newest checkpoints stay in the runner's slots
+        cache.set_checkpoint_release(runner.release_checkpoint)
+    return cache
 
 
 class Engine:

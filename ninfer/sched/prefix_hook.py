@@ -36,7 +36,10 @@ reference counts. The scheduler calls every method of `PrefixCacheHook`, at thes
   state after its `num_cached` tokens (the step task restores it into the runner when the
   sequence is admitted), and `seq.checkpoint_at`, a prompt position where the cache wants the
   state (prefill rows end there). `keep_checkpoint(seq, snapshot)`: the step task hands over
-  the state the sequence reached at `checkpoint_at`, right after that row.
+  the state the sequence reached at `checkpoint_at`, right after that row (False: not kept,
+  and a device checkpoint's slot is the step task's to release). Runners with checkpoint
+  slots: the step task takes the oldest device checkpoint out (`take_oldest_device_checkpoint`)
+  when every slot is full, demotes it to a host copy and hands that back (`keep_demoted`).
 - `statistics()`: a frozen record of the cache's counters (None when there is no cache).
 
 `NoPrefixCache` implements all of them for "no cache" (nothing is ever shared); a hook that
@@ -71,7 +74,11 @@ class PrefixCacheHook(Protocol):
 
     def reclaim(self, num_pages: int, pool: PagePool) -> None: ...
 
-    def keep_checkpoint(self, seq: Sequence, snapshot: StateSnapshot) -> None: ...
+    def keep_checkpoint(self, seq: Sequence, snapshot: StateSnapshot) -> bool: ...
+
+    def take_oldest_device_checkpoint(self) -> tuple[object, StateSnapshot] | None: ...
+
+    def keep_demoted(self, entry: object, snapshot: StateSnapshot) -> bool: ...
 
     def take_io(self) -> CacheIO: ...
 
@@ -111,8 +118,14 @@ class NoPrefixCache:
         if num_pages:
             raise ValueError("NoPrefixCache holds no pages to reclaim")
 
-    def keep_checkpoint(self, seq: Sequence, snapshot: StateSnapshot) -> None:
-        pass
+    def keep_checkpoint(self, seq: Sequence, snapshot: StateSnapshot) -> bool:
+        return False
+
+    def take_oldest_device_checkpoint(self) -> tuple[object, StateSnapshot] | None:
+        return None
+
+    def keep_demoted(self, entry: object, snapshot: StateSnapshot) -> bool:
+        return False
 
     def take_io(self) -> CacheIO:
         return CacheIO()

@@ -251,6 +251,7 @@ def _prefix_fields(prefix: PrefixCacheHook) -> dict[str, int]:
         "num_prefix_host_pages": cache.num_host_pages,
         "prefix_host_bytes": cache.host_bytes,
         "num_prefix_checkpoints": cache.num_checkpoints,
+        "num_prefix_device_checkpoints": cache.num_device_checkpoints,
         "prefix_checkpoint_bytes": cache.checkpoint_bytes,
     }
 

@@ -63,6 +63,7 @@ class EngineStatistics:
     num_recurrent_states: int = 0
     recurrent_state_bytes: int = 0
     num_prefix_checkpoints: int = 0
+    num_prefix_device_checkpoints: int = 0  # of those, in the runner's checkpoint slots (device memory)
     prefix_checkpoint_bytes: int = 0
     # STEP_PHASES -> host seconds, cumulative: wall-clock measurements, left out of equality
     # (two replays of one workload in virtual time have equal statistics, not equal timings)

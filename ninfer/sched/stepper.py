@@ -35,7 +35,9 @@ import trio
 
 import attrs
 
-from ninfer.core.runner import Runner, SampleSpec, StepRow, next_position, recurrent_state
+from ninfer.core.runner import (
+    Runner, SampleSpec, StateSnapshot, StepRow, has_checkpoint_slots, next_position, recurrent_state,
+)
 from ninfer.sched.lane import accept_sampled
 from ninfer.sched.planner import Pause, PauseMode, PlanLimits, PlannedRow, PoolState, plan_step
 from ninfer.sched.planner import StepPlan, split_expired
@@ -261,11 +263,28 @@ class Stepper:
             if not seq.checkpoint_at or seq.num_cached != seq.checkpoint_at or seq.phase is not Phase.RUNNING:
                 continue
             seq.checkpoint_at = 0
-            snapshot = await self._executor(self._recurrent.snapshot_state, seq.seq_id)
+            snapshot = await self._checkpoint(seq.seq_id)
+            kept = False
             try:
-                self._state.prefix.keep_checkpoint(seq, snapshot)
+                kept = self._state.prefix.keep_checkpoint(seq, snapshot)
             except Exception:
                 log.exception("request %s: the prefix cache failed to take its checkpoint", seq.request.request_id)
+            if snapshot.on_device and not kept:
+                self._recurrent.release_checkpoint(snapshot)
+
+    async def _checkpoint(self, seq_id: int) -> StateSnapshot:
+        """The sequence's state for the prefix cache: in one of the runner's checkpoint slots
+        where it has them (the oldest device checkpoint demoted to a host copy when every slot
+        is full), else a host copy."""
+        runner, prefix = self._recurrent, self._state.prefix
+        if has_checkpoint_slots(runner):
+            if runner.num_free_checkpoint_slots == 0 and (oldest := prefix.take_oldest_device_checkpoint()):
+                entry, device = oldest
+                host = await self._executor(runner.demote_checkpoint, device)
+                prefix.keep_demoted(entry, host)
+            if runner.num_free_checkpoint_slots > 0:
+                return await self._executor(runner.save_checkpoint, seq_id)
+        return await self._executor(runner.snapshot_state, seq_id)
 
     def _admit(self, seq: Sequence) -> None:
         state = self._state

@@ -39,6 +39,8 @@ _GAUGES = (
     ("ninfer_recurrent_states", "num_recurrent_states", "Recurrent states the runner holds (hybrid models)."),
     ("ninfer_recurrent_state_bytes", "recurrent_state_bytes", "Memory of the recurrent states the runner holds."),
     ("ninfer_prefix_checkpoints", "num_prefix_checkpoints", "Recurrent-state checkpoints the prefix cache keeps."),
+    ("ninfer_prefix_device_checkpoints", "num_prefix_device_checkpoints",
+     "Prefix checkpoints kept in the runner's checkpoint slots (device memory)."),
     ("ninfer_prefix_checkpoint_bytes", "prefix_checkpoint_bytes", "Host memory of the prefix cache's checkpoints."),
 )
 _COUNTERS = (

@@ -37,7 +37,7 @@ import attrs
 import numpy as np
 from numba import cuda
 
-from ninfer.core.runner import StateSnapshot
+from ninfer.core.runner import CheckpointSlots, StateSnapshot
 from ninfer.gpu import gdn as gdn_ref
 from ninfer.gpu.cuda.buckets import bucket, token_bucket, warm_rows, zeros
 from ninfer.gpu.cuda.device_weights import DeviceWeight
@@ -106,13 +106,16 @@ class _Held:
 class StatePool:
     """Per-sequence GDN state in `num_slots` device slots; host bookkeeping of who holds which."""
 
-    def __init__(self, spec, num_slots: int, stream):
+    def __init__(self, spec, num_slots: int, stream, checkpoint_slots: int = 0):
         g, n = spec.gdn, len(spec.gdn_layers)
         self.spec = spec
         self.num_slots = num_slots
         self.spare = num_slots  # an extra slot: the padding rows of graph buckets write there
-        self.conv = _zeros((n, num_slots + 1, g.conv_kernel - 1, g.conv_dim), stream)
-        self.ssm = _zeros((n, num_slots + 1, g.num_v_heads, g.head_k_dim, g.head_v_dim), stream)
+        # then `checkpoint_slots` more: the prefix cache's newest state checkpoints (save_checkpoint)
+        self.checkpoints = CheckpointSlots(checkpoint_slots)
+        total = num_slots + 1 + checkpoint_slots
+        self.conv = _zeros((n, total, g.conv_kernel - 1, g.conv_dim), stream)
+        self.ssm = _zeros((n, total, g.num_v_heads, g.head_k_dim, g.head_v_dim), stream)
         self.conv_layers = [self.conv[j] for j in range(n)]
         self.ssm_layers = [self.ssm[j] for j in range(n)]
         self._held: dict[int, _Held] = {}
@@ -177,7 +180,44 @@ class StatePool:
     @property
     def state_nbytes(self) -> int:
         """Bytes of one sequence's state (one slot over every GDN layer)."""
-        return self.nbytes // (self.num_slots + 1)
+        return self.nbytes // (self.num_slots + 1 + self.checkpoints.count)
+
+    def _copy_slot(self, src: int, dst: int, stream) -> None:
+        for c, s in zip(self.conv_layers, self.ssm_layers, strict=True):
+            c[dst].copy_to_device(c[src], stream=stream)
+            s[dst].copy_to_device(s[src], stream=stream)
+
+    def _checkpoint_index(self, slot: int) -> int:
+        return self.num_slots + 1 + slot
+
+    def save_checkpoint(self, seq_id: int, stream) -> StateSnapshot:
+        """The sequence's state (after the queued steps) copied into a free checkpoint slot,
+        device to device; ValueError when it holds none or every checkpoint slot is taken."""
+        held = self._held.get(seq_id)
+        if held is None:
+            raise ValueError(f"sequence {seq_id} holds no recurrent state to checkpoint")
+        slot = self.checkpoints.take()
+        self._copy_slot(held.slot, self._checkpoint_index(slot), stream)
+        return self.checkpoints.hold(StateSnapshot(held.num_tokens, (), slot=slot, slot_nbytes=self.state_nbytes))
+
+    def demote_checkpoint(self, snapshot: StateSnapshot, stream) -> StateSnapshot:
+        """A checkpoint slot's state copied to the host (waits for the stream); the slot is free."""
+        host = self._to_host(self._checkpoint_index(self.checkpoints.check(snapshot)), stream)
+        self.checkpoints.free(snapshot)
+        return StateSnapshot(snapshot.num_tokens, host)
+
+    def release_checkpoint(self, snapshot: StateSnapshot) -> None:
+        """Free a checkpoint slot (a later save's copy is queued after anything that reads it)."""
+        self.checkpoints.free(snapshot)
+
+    def _to_host(self, index: int, stream) -> tuple[np.ndarray, np.ndarray]:
+        conv = np.empty((len(self.conv_layers), *self.conv.shape[2:]), np.float32)
+        ssm = np.empty((len(self.ssm_layers), *self.ssm.shape[2:]), np.float32)
+        for j, (c, s) in enumerate(zip(self.conv_layers, self.ssm_layers, strict=True)):
+            c[index].copy_to_host(ary=conv[j], stream=stream)
+            s[index].copy_to_host(ary=ssm[j], stream=stream)
+        stream.synchronize()
+        return conv, ssm
 
     def snapshot(self, seq_id: int, stream) -> StateSnapshot:
         """A sequence's state copied to the host after the queued steps (waits for the stream):
@@ -185,22 +225,19 @@ class StatePool:
         held = self._held.get(seq_id)
         if held is None:
             raise ValueError(f"sequence {seq_id} holds no recurrent state to snapshot")
-        conv = np.empty((len(self.conv_layers), *self.conv.shape[2:]), np.float32)
-        ssm = np.empty((len(self.ssm_layers), *self.ssm.shape[2:]), np.float32)
-        for j, (c, s) in enumerate(zip(self.conv_layers, self.ssm_layers, strict=True)):
-            c[held.slot].copy_to_host(ary=conv[j], stream=stream)
-            s[held.slot].copy_to_host(ary=ssm[j], stream=stream)
-        stream.synchronize()
-        return StateSnapshot(held.num_tokens, (conv, ssm))
+        return StateSnapshot(held.num_tokens, self._to_host(held.slot, stream))
 
     def restore(self, seq_id: int, snapshot: StateSnapshot, stream) -> None:
         """Write a snapshot into the sequence's slot (taking a free one where it holds none),
-        queued after the steps before it; its next row starts at `snapshot.num_tokens`."""
-        conv, ssm = (np.ascontiguousarray(a, np.float32) for a in snapshot.arrays)
-        if conv.shape != (len(self.conv_layers), *self.conv.shape[2:]) or ssm.shape != (
-            len(self.ssm_layers), *self.ssm.shape[2:]
-        ):
-            raise ValueError(f"a state snapshot of shapes {conv.shape}, {ssm.shape} does not fit this model")
+        queued after the steps before it; its next row starts at `snapshot.num_tokens`. A
+        checkpoint slot's snapshot is copied device to device (and stays in its slot)."""
+        source = self._checkpoint_index(self.checkpoints.check(snapshot)) if snapshot.on_device else None
+        if source is None:
+            conv, ssm = (np.ascontiguousarray(a, np.float32) for a in snapshot.arrays)
+            if conv.shape != (len(self.conv_layers), *self.conv.shape[2:]) or ssm.shape != (
+                len(self.ssm_layers), *self.ssm.shape[2:]
+            ):
+                raise ValueError(f"a state snapshot of shapes {conv.shape}, {ssm.shape} does not fit this model")
         held = self._held.get(seq_id)
         if held is None:
             if not self._free:
@@ -209,10 +246,13 @@ class StatePool:
                     " (release finished sequences, or size the runner for more)"
                 )
             held = _Held(self._free.pop(), 0)
-        for j, (c, s) in enumerate(zip(self.conv_layers, self.ssm_layers, strict=True)):
-            c[held.slot].copy_to_device(conv[j], stream=stream)
-            s[held.slot].copy_to_device(ssm[j], stream=stream)
-        stream.synchronize()  # the host arrays may be reused (or freed) once this returns
+        if source is not None:
+            self._copy_slot(source, held.slot, stream)
+        else:
+            for j, (c, s) in enumerate(zip(self.conv_layers, self.ssm_layers, strict=True)):
+                c[held.slot].copy_to_device(conv[j], stream=stream)
+                s[held.slot].copy_to_device(ssm[j], stream=stream)
+            stream.synchronize()  # the host arrays may be reused (or freed) once this returns
         held.num_tokens = snapshot.num_tokens
         self._held[seq_id] = held
 

@@ -77,6 +77,7 @@ class CudaRunner:
         progress: bool = False,
         plan: KernelPlan | None = None,
         max_sequences: int | None = None,
+        checkpoint_slots: int = 0,
     ):
         """`activations`: 'f32' (default) runs the decode linears on float activations (logits
         within ~1e-3 of the reference); 'q8' on int8 activations with dp4a, llama.cpp's
@@ -85,7 +86,8 @@ class CudaRunner:
         page tables, RoPE tables and attention scratch; longer positions are rejected. `plan`:
         the kernel choices (default `KernelPlan()`, the measured defaults). `max_sequences`
         (hybrid models; default max_batch_rows): sequences whose recurrent state the runner
-        holds at once, running or waiting between steps."""
+        holds at once, running or waiting between steps; `checkpoint_slots` (hybrid models):
+        device slots for the prefix cache's newest state checkpoints (`save_checkpoint`)."""
         from ninfer.gpu.reference import rope_angles, spec_and_weights
 
         spec, weights = spec_and_weights(model)
@@ -119,7 +121,7 @@ class CudaRunner:
         if spec.is_hybrid:
             from ninfer.gpu.cuda.hybrid import HybridBuffers, StatePool
 
-            self._states = StatePool(spec, max_sequences or max_batch_rows, self.stream)
+            self._states = StatePool(spec, max_sequences or max_batch_rows, self.stream, checkpoint_slots)
             self._hybrid_bufs = HybridBuffers(spec, self.limits, self.bufs)
         kv_shape = (len(spec.attention_layers), num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
         if math.prod(kv_shape[1:]) >= 2**32:  # the decode kernels' KV offsets are 32-bit (intrinsics.ld8)
@@ -336,6 +338,28 @@ class CudaRunner:
         if self._states is None:
             raise ValueError("a dense model keeps no recurrent state")
         self._states.restore(seq_id, snapshot, self.stream)
+
+    @property
+    def num_checkpoint_slots(self) -> int:
+        """Device slots for the prefix cache's newest state checkpoints (`checkpoint_slots`)."""
+        return 0 if self._states is None else self._states.checkpoints.count
+
+    @property
+    def num_free_checkpoint_slots(self) -> int:
+        return 0 if self._states is None else self._states.checkpoints.num_free
+
+    def save_checkpoint(self, seq_id: int):
+        """The sequence's state copied into a free checkpoint slot, on the device (hybrid.StatePool)."""
+        if self._states is None:
+            raise ValueError("a dense model keeps no recurrent state")
+        return self._states.save_checkpoint(seq_id, self.stream)
+
+    def demote_checkpoint(self, snapshot):
+        """A checkpoint slot's state copied to the host; the slot is free afterwards."""
+        return self._states.demote_checkpoint(snapshot, self.stream)
+
+    def release_checkpoint(self, snapshot) -> None:
+        self._states.release_checkpoint(snapshot)
 
     def warm_up_hybrid(self, *, max_rows: int, max_context: int | None = None, progress: bool = False) -> int:
         """`warm_up` for hybrid models, whose rows cannot start mid-sequence (the recurrent
