@@ -89,6 +89,12 @@ def resolve_backend(name: str, spec=None) -> str:
         return name
     if cuda_available():
         return "cuda"
+    return host_backend(spec)
+
+
+def host_backend(spec=None) -> str:
+    """The backend `auto` picks without a GPU: 'cpu' for a model it runs (`spec`: dense llama /
+    qwen2 / qwen3), else 'reference'."""
     from ninfer.cpu.runner import runs_on_cpu
 
     return "cpu" if spec is not None and runs_on_cpu(spec) else "reference"

@@ -32,8 +32,9 @@ LAYERS: dict[str, frozenset[str]] = {
     "runtime": frozenset({"core", "models", "sched", "gpu", "cpu"}),  # picks a backend, opens an engine
     "server": frozenset({"core", "models", "sched", "protocols", "grammar", "runtime"}),
     # replicas on Ray Serve, each a `ninfer serve` process; the ingress renders prompts with the
-    # server's own code (models: tokenizer / template, server: render_chat) to key them as the cache does
-    "cluster": frozenset({"cache", "protocols", "models", "server"}),
+    # server's own code (models: tokenizer / template, server: render_chat) to key them as the cache
+    # does, and resolves `auto` as serve does (runtime.host_backend)
+    "cluster": frozenset({"cache", "protocols", "models", "server", "runtime"}),
 }
 LAYERS["cli"] = frozenset(LAYERS)  # the commands: anything below
 

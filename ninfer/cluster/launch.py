@@ -37,9 +37,9 @@ def auto_backend(cluster_has_gpus: bool, model: str | None) -> str:
     if cluster_has_gpus:
         return "cuda"
     from ninfer.cluster.prompt_keys import load_prompt_model
-    from ninfer.cpu.runner import runs_on_cpu
+    from ninfer.runtime import host_backend
 
-    return "cpu" if runs_on_cpu(load_prompt_model(model).spec) else "reference"
+    return host_backend(load_prompt_model(model).spec)
 
 
 def start(options: ClusterOptions, ray_options: RayOptions) -> tuple[ClusterOptions, str]:
