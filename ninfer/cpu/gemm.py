@@ -121,26 +121,31 @@ def _rows(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
     nb, row_bytes = n // 32, data.shape[1]
     # flat views of the weights and codes: a view per row would cost two runtime calls a row
     src, x = data.reshape(-1), xq.reshape(-1)
+    # ... and of the scales, indexed with unsigned integers: a signed index pays for numba's
+    # negative-index wraparound (a shift, an and and a cmov per load; 10-30 % of a Q4_1 row)
+    xdf, xsf = xd.reshape(-1), xs.reshape(-1)
     if num_tokens == 1:  # decode the blocks as they are dotted; even / odd blocks, two chains
         for o in range(lo, hi):
             base = o * row_bytes
             acc0, acc1 = acc_zero(), acc_zero()
             low0, low1 = np.float32(0.0), np.float32(0.0)
-            for b in range(0, nb - 1, 2):
+            for bb in range(nb >> 1):
+                b = np.uint64(2 * bb)
+                b1 = b + np.uint64(1)
                 codes, s_lo, s_hi, low = block_codes(src, base, qtype, b, table)
-                acc0 = _dot(acc0, codes, x, b * 32, s_lo * xd[0, b], s_hi * xd[0, b], qtype)
+                acc0 = _dot(acc0, codes, x, b * 32, s_lo * xdf[b], s_hi * xdf[b], qtype)
                 if _has_min(qtype):
-                    low0 += low * xs[0, b]
-                codes, s_lo, s_hi, low = block_codes(src, base, qtype, b + 1, table)
-                acc1 = _dot(acc1, codes, x, b * 32 + 32, s_lo * xd[0, b + 1], s_hi * xd[0, b + 1], qtype)
+                    low0 += low * xsf[b]
+                codes, s_lo, s_hi, low = block_codes(src, base, qtype, b1, table)
+                acc1 = _dot(acc1, codes, x, b1 * 32, s_lo * xdf[b1], s_hi * xdf[b1], qtype)
                 if _has_min(qtype):
-                    low1 += low * xs[0, b + 1]
+                    low1 += low * xsf[b1]
             if nb & 1:
-                b = nb - 1
+                b = np.uint64(nb - 1)
                 codes, s_lo, s_hi, low = block_codes(src, base, qtype, b, table)
-                acc0 = _dot(acc0, codes, x, b * 32, s_lo * xd[0, b], s_hi * xd[0, b], qtype)
+                acc0 = _dot(acc0, codes, x, b * 32, s_lo * xdf[b], s_hi * xdf[b], qtype)
                 if _has_min(qtype):
-                    low0 += low * xs[0, b]
+                    low0 += low * xsf[b]
             out[0, col0 + o] = acc_sum(acc_add(acc0, acc1)) + (low0 + low1)
         return
     codes_buf = np.empty(n, np.uint8)  # batches and prefill: decode each row once, dot every token
@@ -151,36 +156,40 @@ def _rows(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
         for b in range(nb):
             codes, s_los[b], s_his[b], lows[b] = block_codes(src, o * row_bytes, qtype, b, table)
             codes_store(codes_buf, b * 32, codes)
-        for t in range(0, num_tokens - 1, 2):  # two tokens at a time, each as `_decoded_dot`
+        for tt in range(num_tokens >> 1):  # two tokens at a time, each as `_decoded_dot`
+            t = np.uint64(2 * tt)
+            xa, xc = t * n, t * n + n  # token t's codes, token t + 1's (and their scales below)
+            da, dc = t * nb, t * nb + nb
             a0, a1, c0, c1 = acc_zero(), acc_zero(), acc_zero(), acc_zero()
             la0, la1, lc0, lc1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
-            for b in range(0, nb - 1, 2):
+            for bb in range(nb >> 1):
+                b = np.uint64(2 * bb)
+                b1 = b + np.uint64(1)
                 codes = codes_load(codes_buf, b * 32)
-                a0 = _dot(a0, codes, x, t * n + b * 32, s_los[b] * xd[t, b], s_his[b] * xd[t, b], qtype)
-                c0 = _dot(c0, codes, x, t * n + n + b * 32, s_los[b] * xd[t + 1, b], s_his[b] * xd[t + 1, b], qtype)
+                a0 = _dot(a0, codes, x, xa + b * 32, s_los[b] * xdf[da + b], s_his[b] * xdf[da + b], qtype)
+                c0 = _dot(c0, codes, x, xc + b * 32, s_los[b] * xdf[dc + b], s_his[b] * xdf[dc + b], qtype)
                 if _has_min(qtype):
-                    la0 += lows[b] * xs[t, b]
+                    la0 += lows[b] * xsf[da + b]
                 if _has_min(qtype):
-                    lc0 += lows[b] * xs[t + 1, b]
-                codes = codes_load(codes_buf, b * 32 + 32)
-                a1 = _dot(a1, codes, x, t * n + b * 32 + 32, s_los[b + 1] * xd[t, b + 1], s_his[b + 1] * xd[t, b + 1], qtype)
-                c1 = _dot(c1, codes, x, t * n + n + b * 32 + 32, s_los[b + 1] * xd[t + 1, b + 1],
-                          s_his[b + 1] * xd[t + 1, b + 1], qtype)  # fmt: skip
+                    lc0 += lows[b] * xsf[dc + b]
+                codes = codes_load(codes_buf, b1 * 32)
+                a1 = _dot(a1, codes, x, xa + b1 * 32, s_los[b1] * xdf[da + b1], s_his[b1] * xdf[da + b1], qtype)
+                c1 = _dot(c1, codes, x, xc + b1 * 32, s_los[b1] * xdf[dc + b1], s_his[b1] * xdf[dc + b1], qtype)
                 if _has_min(qtype):
-                    la1 += lows[b + 1] * xs[t, b + 1]
+                    la1 += lows[b1] * xsf[da + b1]
                 if _has_min(qtype):
-                    lc1 += lows[b + 1] * xs[t + 1, b + 1]
+                    lc1 += lows[b1] * xsf[dc + b1]
             if nb & 1:
-                b = nb - 1
+                b = np.uint64(nb - 1)
                 codes = codes_load(codes_buf, b * 32)
-                a0 = _dot(a0, codes, x, t * n + b * 32, s_los[b] * xd[t, b], s_his[b] * xd[t, b], qtype)
-                c0 = _dot(c0, codes, x, t * n + n + b * 32, s_los[b] * xd[t + 1, b], s_his[b] * xd[t + 1, b], qtype)
+                a0 = _dot(a0, codes, x, xa + b * 32, s_los[b] * xdf[da + b], s_his[b] * xdf[da + b], qtype)
+                c0 = _dot(c0, codes, x, xc + b * 32, s_los[b] * xdf[dc + b], s_his[b] * xdf[dc + b], qtype)
                 if _has_min(qtype):
-                    la0 += lows[b] * xs[t, b]
+                    la0 += lows[b] * xsf[da + b]
                 if _has_min(qtype):
-                    lc0 += lows[b] * xs[t + 1, b]
+                    lc0 += lows[b] * xsf[dc + b]
             out[t, col0 + o] = acc_sum(acc_add(a0, a1)) + (la0 + la1)
-            out[t + 1, col0 + o] = acc_sum(acc_add(c0, c1)) + (lc0 + lc1)
+            out[t + np.uint64(1), col0 + o] = acc_sum(acc_add(c0, c1)) + (lc0 + lc1)
         if num_tokens & 1:
             t = num_tokens - 1
             out[t, col0 + o] = _decoded_dot(codes_buf, s_los, s_his, lows, x, xd, xs, t, n, qtype)
