@@ -27,9 +27,10 @@ if [ "$MODE" = serve ]; then
   download .whl/serve numpy==2.4.6 trio==0.35.0 quart==0.22.0 quart-trio==0.12.0 hypercorn==0.18.0 gguf==0.19.0 \
     llguidance==1.9.1 attrs==26.1.0 cattrs==26.2.1 platformdirs==4.14.9 tqdm==4.70.1 rich==15.0.0 \
     prompt-toolkit==3.0.53 threadpoolctl==3.8.0 pytest-trio==0.8.0 safetensors==0.8.0
-  head -c 30000000 "$GGUF" > .stage/smollm2.part00
-  tail -c +30000001 "$GGUF" | head -c 34000000 > .stage/smollm2.part01
-  tail -c +64000001 "$GGUF" > .stage/smollm2.part02
+  # byte ranges with dd (a `tail | head` pipeline dies of SIGPIPE under pipefail)
+  dd if="$GGUF" of=.stage/smollm2.part00 bs=1M iflag=count_bytes count=30000000 status=none
+  dd if="$GGUF" of=.stage/smollm2.part01 bs=1M iflag=skip_bytes,count_bytes skip=30000000 count=34000000 status=none
+  dd if="$GGUF" of=.stage/smollm2.part02 bs=1M iflag=skip_bytes skip=64000000 status=none
 else
   mkdir -p .whl/trace
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
