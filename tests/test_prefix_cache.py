@@ -85,6 +85,9 @@ def attach(cache, runner, pool, seq) -> None:
 
 def check_pool(pool, cache, *holders) -> None:
     pool.check_consistent(holders=[*cache.holders(), *(seq.pages for seq in holders)])
+    # the index's device entries (what reclaiming walks) are exactly those holding a page, in LRU order
+    index = cache._index
+    assert list(index.on_device()) == [entry for entry in index if entry.page_id is not None]
 
 
 def kv_of(runner, pages) -> PageSnapshot:

@@ -267,8 +267,8 @@ class HoardingCache(NoPrefixCache):
     def publish(self, seq, pool):
         self.published.append((seq.seq_id, len(seq.pages)))
 
-    def num_reclaimable_pages(self):
-        return len(self.held or ())
+    def num_reclaimable_pages(self, at_most=None):
+        return min(len(self.held or ()), at_most if at_most is not None else len(self.held or ()))
 
     def reclaim(self, num_pages, pool):
         pool.release(self.held[:num_pages])

@@ -273,9 +273,9 @@ class PrefixCache:
         finally:
             self._end_claims(seq.seq_id, num_full_pages)  # computed: claimed no more, cached or not
 
-    def num_reclaimable_pages(self) -> int:
-        """Pages held only by the cache, which `reclaim` may free."""
-        return self._tiers.num_reclaimable()
+    def num_reclaimable_pages(self, at_most: int | None = None) -> int:
+        """Pages held only by the cache, which `reclaim` may free (counted up to `at_most`)."""
+        return self._tiers.num_reclaimable(at_most)
 
     def reclaim(self, num_pages: int, pool: PagePool) -> None:
         """Free `num_pages` inactive pages, least recently used first: demoted or evicted.

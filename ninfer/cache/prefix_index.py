@@ -93,6 +93,9 @@ class PrefixIndex:
         self.page_size = page_size
         self.key_bytes = key_bytes
         self._entries: OrderedDict[bytes, CacheEntry] = OrderedDict()  # least recent first
+        # ... and those on the device (page_id set), in the same order: reclaiming walks these
+        # alone, not the host entries before them (thousands on a busy server, every step)
+        self._device: OrderedDict[bytes, CacheEntry] = OrderedDict()
         self._children: dict[bytes, dict[bytes, CacheEntry]] = {}  # parent or root key -> children
         self._clock = 0  # counts touches; orders recency across both tiers
 
@@ -102,6 +105,38 @@ class PrefixIndex:
     def __iter__(self) -> Iterator[CacheEntry]:
         """Entries from least to most recently used."""
         return iter(self._entries.values())
+
+    def on_device(self) -> Iterator[CacheEntry]:
+        """The entries holding a page, from least to most recently used."""
+        return iter(self._device.values())
+
+    @property
+    def num_on_device(self) -> int:
+        return len(self._device)
+
+    def set_page(self, entry: CacheEntry, page_id: int | None, *, touch_follows: bool = False) -> None:
+        """Give an entry a page (it is on the device) or take it (None: on the host).
+        `touch_follows`: the caller touches the entry next, which puts it last anyway."""
+        entry.page_id = page_id
+        if self._device.get(entry.key) is entry:
+            del self._device[entry.key]
+        if page_id is not None and self._entries.get(entry.key) is entry:
+            if touch_follows:
+                self._device[entry.key] = entry
+            else:
+                self._place_on_device(entry)
+
+    def _place_on_device(self, entry: CacheEntry) -> None:
+        """Into `_device` at its place by `last_used` (mostly the end: a page comes with a touch)."""
+        later = []
+        while self._device:
+            last = next(reversed(self._device.values()))
+            if last.last_used <= entry.last_used:
+                break
+            later.append(self._device.popitem()[1])
+        self._device[entry.key] = entry
+        for other in reversed(later):
+            self._device[other.key] = other
 
     def __contains__(self, entry: CacheEntry) -> bool:
         return self._entries.get(entry.key) is entry
@@ -186,12 +221,16 @@ class PrefixIndex:
         self._entries[entry.key] = entry
         self._clock += 1
         entry.last_used = self._clock
+        if entry.page_id is not None:
+            self._device[entry.key] = entry
         self._children.setdefault(self._parent_key(entry), {})[entry.key] = entry
 
     def touch(self, chain: Sequence[CacheEntry]) -> None:
         """Mark a root-to-leaf chain most recently used, keeping each parent more recent than its children."""
         for entry in reversed(chain):
             self._entries.move_to_end(entry.key)
+            if entry.page_id is not None:
+                self._device.move_to_end(entry.key)
             self._clock += 1
             entry.last_used = self._clock
 
@@ -201,6 +240,8 @@ class PrefixIndex:
         for child in list(self._children.get(entry.key, {}).values()):
             removed += self.remove(child)
         del self._entries[entry.key]
+        if self._device.get(entry.key) is entry:
+            del self._device[entry.key]
         self._children.pop(entry.key, None)
         siblings = self._children.get(self._parent_key(entry))
         if siblings is not None:

@@ -13,7 +13,8 @@ Nothing here blocks: every copy is queued in a `CacheIO` for the owner of the ru
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import islice
 
 from ninfer.cache.host_tier import CacheIO, HostTier
 from ninfer.cache.pages import PagePool
@@ -56,11 +57,20 @@ class Tiers:
         """On the device, held by the cache alone, no demotion in flight."""
         return entry.page_id is not None and not entry.is_busy and self.pool.refcount(entry.page_id) == 1
 
-    def num_reclaimable(self) -> int:
-        return 0 if self.pool is None else sum(1 for e in self.index if self.is_reclaimable(e))
+    def num_reclaimable(self, at_most: int | None = None) -> int:
+        """Reclaimable entries, counted up to `at_most` (None: all of them). The planner asks
+        for a few pages each step while the cache fills the pool: counting every entry (there
+        are thousands) took a quarter of a busy server's event loop."""
+        if self.pool is None:
+            return 0
+        return sum(1 for _ in islice(self._reclaimable(), at_most))
+
+    def _reclaimable(self) -> Iterator[CacheEntry]:
+        """The reclaimable entries, least recently used first."""
+        return (e for e in self.index.on_device() if self.is_reclaimable(e))
 
     def num_device_pages(self) -> int:
-        return sum(1 for e in self.index if e.tier is Tier.DEVICE)
+        return self.index.num_on_device
 
     def holders(self) -> list[list[int]]:
         """The cache's references in the pool, one list per holder (for `PagePool.check_consistent`)."""
@@ -71,7 +81,7 @@ class Tiers:
 
     def reclaim(self, num_pages: int) -> None:
         """Free `num_pages` inactive pages, least recently used first (demoted pages once their IO ran)."""
-        victims = [e for e in self.index if self.is_reclaimable(e)][:num_pages]
+        victims = list(islice(self._reclaimable(), num_pages))
         num_freed = 0
         # The most recent victims get the host room; the least recent are evicted outright.
         for entry in reversed(victims):
@@ -112,7 +122,7 @@ class Tiers:
         self.io.demotions.append((entry, page_id, hand_over))
         self.num_demotions += 1
         if hand_over:
-            entry.page_id = None
+            self.index.set_page(entry, None)
             return page_id
         return 1
 
@@ -194,7 +204,7 @@ class Tiers:
             self.host.add(snapshot)
             entry.snapshot = snapshot
             return False
-        entry.page_id = page_id  # the cache's reference
+        self.index.set_page(entry, page_id)  # the cache's reference
         self.io.restores.append((page_id, snapshot))
         self.num_restores += 1
         return True
@@ -208,7 +218,7 @@ class Tiers:
         """
         if self.pool.can_allocate(1 + self.num_reserved_pages):
             return self.pool.allocate(1)[0]
-        victim = next((e for e in self.index if self.is_reclaimable(e)), None)  # least recent
+        victim = next(self._reclaimable(), None)  # least recent
         if victim is None or (floor is not None and victim.last_used >= floor):
             return None
         has_room, _ = self.make_host_room(victim.last_used)
@@ -228,9 +238,11 @@ class Tiers:
         self.io.copies.append((source.page_id, page_id))
 
     def promote(self, entry: CacheEntry, page_id: int) -> None:
-        """A holder computed a host entry's KV again: keep its page, drop the host copy."""
+        """A holder computed a host entry's KV again: keep its page, drop the host copy (the
+        caller, `PrefixCache.insert`, touches the entry next)."""
         self.host.drop(entry.snapshot)
-        entry.snapshot, entry.page_id = None, page_id
+        entry.snapshot = None
+        self.index.set_page(entry, page_id, touch_follows=True)
         self.pool.retain([page_id])
 
     # -- the copies ----------------------------------------------------------------------
@@ -243,7 +255,8 @@ class Tiers:
         if len(snapshots) != len(io.demotions):
             raise ValueError(f"{len(io.demotions)} demotions ran but {len(snapshots)} snapshots came back")
         for (entry, page_id, is_handed_over), snapshot in zip(io.demotions, snapshots, strict=True):
-            entry.page_id, entry.is_busy = None, False
+            entry.is_busy = False
+            self.index.set_page(entry, None)
             if entry.is_removed:
                 self.host.cancel_reservation()
             else:

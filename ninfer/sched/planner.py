@@ -82,6 +82,9 @@ class PlanLimits:
 class PoolState:
     num_free_pages: int
     num_reclaimable_pages: int = 0  # inactive prefix-cache pages that could be freed
+    # ... or, given, counts them up to n when the plan needs pages (a cache filling the pool
+    # holds thousands: counting them all each step cost more than the step's other planning)
+    count_reclaimable: Callable[[int], int] | None = None
     host_snapshot_bytes_used: int = 0
     # Pages a pause would free: those the victim alone holds. Pages it shares with the prefix
     # cache (or other sequences) stay in use. None: every page is the victim's alone.
@@ -128,6 +131,7 @@ class _Budget:
     def __init__(self, pool: PoolState, limits: PlanLimits, num_prefill: int):
         self.num_free = pool.num_free_pages
         self.num_reclaimable = pool.num_reclaimable_pages
+        self._count_reclaimable = pool.count_reclaimable
         self.num_reclaim = 0
         self.num_prefill_left = num_prefill
         self.host_bytes_left = limits.host_snapshot_bytes - pool.host_snapshot_bytes_used
@@ -137,7 +141,12 @@ class _Budget:
         return self._count_private(seq)
 
     def reclaim_up_to(self, num_pages: int) -> None:
-        take = min(self.num_reclaimable, max(0, num_pages - self.num_free))
+        need = max(0, num_pages - self.num_free)
+        if need == 0:
+            return
+        if self._count_reclaimable is not None:  # those this plan has not taken yet
+            self.num_reclaimable = self._count_reclaimable(self.num_reclaim + need) - self.num_reclaim
+        take = min(self.num_reclaimable, need)
         self.num_reclaimable -= take
         self.num_reclaim += take
         self.num_free += take

@@ -25,7 +25,8 @@ reference counts. The scheduler calls every method of `PrefixCacheHook`, at thes
   released; the cache retains the pages it wants to keep.
 - `publish_progress(seq, pool)`: a running sequence just completed more full pages; the cache
   may share them at once, so a request arriving meanwhile reuses a prefill still running.
-- `num_reclaimable_pages()`: pages held only by the cache (no running sequence uses them).
+- `num_reclaimable_pages(at_most=None)`: pages held only by the cache (no running sequence
+  uses them), counted up to `at_most` (the planner asks for what it needs, not the total).
 - `reclaim(num_pages, pool)`: under pressure, before anyone is paused, release that many
   inactive pages back to the pool (least valuable first).
 - `take_io()` / `complete_io(io, snapshots, pool)`: KV copies the cache queued (restores from
@@ -70,7 +71,7 @@ class PrefixCacheHook(Protocol):
 
     def publish_progress(self, seq: Sequence, pool: PagePool) -> None: ...
 
-    def num_reclaimable_pages(self) -> int: ...
+    def num_reclaimable_pages(self, at_most: int | None = None) -> int: ...
 
     def reclaim(self, num_pages: int, pool: PagePool) -> None: ...
 
@@ -111,7 +112,7 @@ class NoPrefixCache:
     def publish_progress(self, seq: Sequence, pool: PagePool) -> None:
         pass
 
-    def num_reclaimable_pages(self) -> int:
+    def num_reclaimable_pages(self, at_most: int | None = None) -> int:
         return 0
 
     def reclaim(self, num_pages: int, pool: PagePool) -> None:

@@ -136,7 +136,7 @@ class Stepper:
         state = self._state
         pool = PoolState(
             num_free_pages=state.pool.num_free,
-            num_reclaimable_pages=state.prefix.num_reclaimable_pages(),
+            count_reclaimable=state.prefix.num_reclaimable_pages,
             host_snapshot_bytes_used=state.host_snapshot_bytes,
             count_private_pages=self._count_private_pages,
         )
