@@ -85,9 +85,13 @@ def check_embed(scale, rng):
         cols = _cols(q, scale == "tiny")
         t = random_stored(q, 40 if scale == "tiny" else 4096, cols, rng)
         toks = rng.integers(0, t.shape[0], 5 if scale == "tiny" else 300).astype(np.int32)
+        fed = rng.integers(0, t.shape[0], toks.size).astype(np.int32)
+        toks[1::2] = embed.FED  # these tokens are the sampler's, in fed
         out = _poisoned((toks.size, cols))
-        embed.embed(_weight(pack_tensor(t)), _dev(toks), out, toks.size)
-        _close(out.copy_to_host(), embed.embed_ref(t.dequantize(), toks), 0.0, f"embed {q}")
+        embed.embed(_weight(pack_tensor(t)), _dev(toks), _dev(fed), out, toks.size)
+        want = embed.embed_ref(t.dequantize(), toks, fed)
+        _close(want[1::2], t.dequantize()[fed[1::2]], 0.0, f"embed_ref {q}: FED rows")
+        _close(out.copy_to_host(), want, 0.0, f"embed {q}")
 
 
 # -- linears ----------------------------------------------------------------------------------
@@ -789,16 +793,16 @@ def check_lookahead(scale, rng):
     steps = 1 if tiny else 12
     host_fed = {}
     for max_rows in (2, 1) if tiny else (4, 2, 1):
-        runs = []
+        runs, graphs = [], []
         for ahead in (False, True):
             runner = CudaRunner(model, num_pages=32, page_size=4, max_batch_rows=max_rows, activations="q8",
                                 split_len=8)  # fmt: skip
             overlapped = []
             runs.append(_decode_streams(runner, spec, prompts, steps, ahead, overlapped))
-            fed_graphs = [k for k in (runner._graphs.keys() if runner._graphs is not None else ()) if k[-1]]
+            graphs.append(set(runner._graphs.keys()) if runner._graphs is not None else set())
             runner.close()
-            if ahead and max_rows == 4 and not fed_graphs:
-                raise AssertionError("no fed decode graph was captured")
+            if ahead and graphs[1] != graphs[0]:  # a fed step replays the graph of a host-fed one
+                raise AssertionError(f"fed steps captured graphs of their own: {graphs[1] - graphs[0]}")
             if ahead and max_rows == 4 and not SIMULATOR and not overlapped:
                 raise AssertionError("no fed step was staged while the step before ran")
         _same_results(*runs, max_rows)

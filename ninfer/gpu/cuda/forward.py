@@ -36,7 +36,6 @@ class StepPlan:
     decode: bool  # every row has one token: split-K decode attention
     num_tiles: int = 0  # prefill attention tiles (general path)
     num_splits: int = 0  # decode attention splits to launch (0: every split the buffers hold)
-    feed: bool = False  # the tokens are the step before's samples: embed reads them from the sampler's output
 
     @property
     def act(self) -> str:
@@ -88,6 +87,10 @@ class Forward:
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
             self._kv_words = [(flash.words(k_pool[i]), flash.words(v_pool[i])) for i in range(spec.num_layers)]
+        # Device-array views are made once: numba slices a device array in ~30 us, and a step's
+        # launch sequence took hundreds of them (a third of the warm-up's capture time)
+        self._pools = [(k_pool[i], v_pool[i]) for i in range(spec.num_layers)]
+        self._rows = {}
         d = spec.d_model
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
         self._posts = [self._post_args(layer) for layer in model.layers]
@@ -102,8 +105,7 @@ class Forward:
         one = act == "q8" and t == 1
         folds = self.folds if one else frozenset()
         epi = self.epilogues if one else frozenset()
-        tokens = b.out if step.feed else b.tokens  # out[:rows]: the sampled ids, row i's at i
-        embed.embed(self.model.embed, tokens, b.x, t, stream)
+        embed.embed(self.model.embed, b.tokens, b.out, b.x, t, stream)  # FED tokens: out[t], the sampled ids
         for i, layer in enumerate(self.model.layers):
             attn_norm, ffn_norm = self._norms2d[i]
             if "attn_norm" in folds:
@@ -140,8 +142,11 @@ class Forward:
     def _row(self, k: int, bits: int = 8):
         """Row k of the int8 activations (as int8, or as uint32 words: what GEMVs read) and of
         their scales, each a one-row view."""
-        b = self.bufs
-        return (b.xq8 if bits == 8 else b.xq32)[k : k + 1], b.xs[k : k + 1]
+        key = (k, bits)
+        if key not in self._rows:
+            b = self.bufs
+            self._rows[key] = (b.xq8 if bits == 8 else b.xq32)[k : k + 1], b.xs[k : k + 1]
+        return self._rows[key]
 
     def _epilogues(self, model, bufs) -> frozenset:
         """The plan's epilogue folds this model can take: q8 matrices of the split-loop types
@@ -166,7 +171,7 @@ class Forward:
     def _gemv_rope(self, i, layer, stream):
         b, p = self.bufs, self._posts[i]
         gemv_folds.gemv_rope(self.spec, layer.wqkv[0], b.xq32, b.xs, layer.bqkv, self.cos, self.sin, b.tok_pos,
-                             b.tok_page, b.tok_slot, b.q, self.k_pool[i], self.v_pool[i], p.interleaved, stream,
+                             b.tok_page, b.tok_slot, b.q, *self._pools[i], p.interleaved, stream,
                              plan=self.plan)  # fmt: skip
 
     # -- pieces ------------------------------------------------------------------------------
@@ -210,7 +215,7 @@ class Forward:
     def _qkv_post(self, i, t, stream):
         b, p = self.bufs, self._posts[i]
         rope.qkv_post(self.spec, b.qkv, p.bias, p.q_norm, p.k_norm, self.cos, self.sin, b.tok_pos, b.tok_page, b.tok_slot,
-                      b.q, self.k_pool[i], self.v_pool[i], t, p.has_bias, p.has_qk_norm, stream)  # fmt: skip
+                      b.q, *self._pools[i], t, p.has_bias, p.has_qk_norm, stream)  # fmt: skip
 
     def _attention(self, i, step, act, stream):
         b, spec = self.bufs, self.spec
@@ -220,14 +225,14 @@ class Forward:
             context = (step.num_splits or b.o_part.shape[2]) * self.split_len
             one = attn_decode.use_one_launch(spec.head_dim, spec.num_kv_heads, step.num_rows, context)
             if attn_lp.use_lp(spec.head_dim, self.split_len, step.num_rows, context, one, self.plan):
-                attn_lp.attn_decode_lp(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
+                attn_lp.attn_decode_lp(spec, b.q, *self._pools[i], b.tables, b.seq_lens, b.o_part,
                                        b.ml_part, out, b.xs, step.num_rows, act, stream, step.num_splits or None,
                                        plan=self.plan)  # fmt: skip
             elif one:
-                attn_decode.attn_decode_one(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, out, b.xs,
+                attn_decode.attn_decode_one(spec, b.q, *self._pools[i], b.tables, b.seq_lens, out, b.xs,
                                             step.num_rows, act, stream)  # fmt: skip
             else:
-                attn_decode.attn_decode(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.seq_lens, b.o_part,
+                attn_decode.attn_decode(spec, b.q, *self._pools[i], b.tables, b.seq_lens, b.o_part,
                                         b.ml_part, out, b.xs, step.num_rows, self.split_len, act, stream,
                                         step.num_splits or None)  # fmt: skip
             return
@@ -235,7 +240,7 @@ class Forward:
             kw, vw = self._kv_words[i]
             flash.flash_prefill(spec, b.q, kw, vw, b.tables, b.tiles, b.h, step.num_tiles, self.k_pool.shape[2], stream)
         else:
-            attn_prefill.attn_prefill(spec, b.q, self.k_pool[i], self.v_pool[i], b.tables, b.tiles, b.h, step.num_tiles,
+            attn_prefill.attn_prefill(spec, b.q, *self._pools[i], b.tables, b.tiles, b.h, step.num_tiles,
                                       stream)  # fmt: skip
         if act == "q8":
             act_quant.quantize_rows(b.h, b.xq8, b.xs, step.num_tokens, spec.q_dim, stream)

@@ -339,6 +339,8 @@ class HybridForward(Forward):
         self._kv_words = None
         if flash.supports(spec.head_dim, k_pool.dtype):
             self._kv_words = [(flash.words(k_pool[a]), flash.words(v_pool[a])) for a in range(k_pool.shape[0])]
+        self._pools = [(k_pool[a], v_pool[a]) for a in range(k_pool.shape[0])]  # views made once (Forward)
+        self._rows = {}
         self._kv_index = {layer: a for a, layer in enumerate(spec.attention_layers)}
         self._gdn_index = {layer: j for j, layer in enumerate(spec.gdn_layers)}
         self._gdn_step: GdnStep | None = None
@@ -356,7 +358,7 @@ class HybridForward(Forward):
     def launch(self, step: StepPlan, stream, after_layer=None) -> None:
         b, t = self.bufs, step.num_tokens
         act = "q8" if (self.q8 and step.act == "q8") else "f32"
-        embed.embed(self.model.embed, b.out if step.feed else b.tokens, b.x, t, stream)
+        embed.embed(self.model.embed, b.tokens, b.out, b.x, t, stream)
         for i, layer in enumerate(self.model.layers):
             self._norm(layer.attn_norm, t, act, stream)  # -> b.h, or its int8 blocks
             if i in self._gdn_index:  # token mixer: Gated DeltaNet over the recurrent state ...
@@ -396,7 +398,7 @@ class HybridForward(Forward):
         q_norm = layer.q_norm if has_norm else b.dummy_f1
         k_norm = layer.k_norm if has_norm else b.dummy_f1
         gated_attn.gated_qkv_post(s, hb.qkv, q_norm, k_norm, self.cos, self.sin, b.tok_pos, b.tok_page, b.tok_slot, b.q,
-                                  hb.gate, self.k_pool[a], self.v_pool[a], t, has_norm, stream)  # fmt: skip
+                                  hb.gate, *self._pools[a], t, has_norm, stream)  # fmt: skip
         self._attention(a, step, "f32", stream)  # -> b.h
         gated_attn.sigmoid_gate(b.h, hb.gate, s.q_dim, t, stream)
         self._linear_from(b.h, (layer.wo,), t, act, b.x, b.x, stream)

@@ -7,7 +7,8 @@ buffers; each sub-step fills a set of pinned host mirrors, then runs the inputs'
 forward pass and the sampled tokens' copy back, as a CUDA graph captured once per batch bucket
 and mirror set (one graph launch a step on the host), or eagerly, and records an event that
 `collect` waits on. Two mirror sets let `submit` stage and launch step N + 1 while step N still
-runs; with `feed` its embedding gathers step N's samples where the sampler left them.
+runs; with `feed` its embedding gathers step N's samples where the sampler left them (its
+tokens are staged as `embed.FED`), in the same graph as a step whose tokens come from the host.
 Rows that ask for outputs at every position (all logits, per-layer hidden rows) get them
 through `positions.py`; other rows' steps are untouched.
 
@@ -35,7 +36,7 @@ from ninfer.gpu.cuda import pages, positions
 from ninfer.gpu.cuda.buffers import MIRRORS, Limits, StepBuffers
 from ninfer.gpu.cuda.device_model import upload_model
 from ninfer.gpu.cuda.forward import Forward, StepPlan
-from ninfer.gpu.cuda.kernels import jit
+from ninfer.gpu.cuda.kernels import embed, jit
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 from ninfer.gpu.cuda.plan import KernelPlan
 from ninfer.gpu.cuda.staging import (
@@ -400,12 +401,14 @@ class CudaRunner:
 
             gdn = gdn_step(rows, batch, slots)
         graphable = self.use_graphs and not hooked and (gdn is None or gdn.decode)
-        key = (*self._graph_key(rows, batch, decode), m, feed) if graphable else None
+        key = (*self._graph_key(rows, batch, decode), m) if graphable else None
         pad_rows, pad_tokens = (key[1], key[2]) if key else (None, None)
         staged = stage_inputs(self.bufs, rows, batch, self.page_size, self.num_pages, self.stream, pad_rows, pad_tokens)
+        if feed:  # each row's token is the step before's sample, row i's at out[i] on the device
+            self.bufs.h_tok[0, : len(batch)] = embed.FED
         splits = key[3] if key else self._splits(_longest(rows, batch))
         plan = StepPlan(num_tokens=staged.num_tokens, num_rows=staged.num_rows, num_sampled=staged.num_sampled,
-                        decode=decode, num_tiles=staged.num_tiles, num_splits=splits, feed=feed)  # fmt: skip
+                        decode=decode, num_tiles=staged.num_tiles, num_splits=splits)  # fmt: skip
         copies = self.plan.copies_in_graph
         if gdn is not None:
             self.forward.stage(gdn, pad_rows)
@@ -445,7 +448,7 @@ class CudaRunner:
             launch()
             for mm in range(MIRRORS):
                 self.bufs.use_mirror(mm)
-                self._graphs.capture((*key[:-2], mm, key[-1]), launch)
+                self._graphs.capture((*key[:-1], mm), launch)
             self.bufs.use_mirror(m)
             return
         bound = jit.overloads_bound()
@@ -467,7 +470,7 @@ class CudaRunner:
             if mm != m:
                 spans = [(getattr(mirrors[m], f).ctypes.data, getattr(mirrors[m], f).nbytes,
                           getattr(mirrors[mm], f).ctypes.data) for f in mirrors[m].fields]  # fmt: skip
-                self._graphs.twin(key, (*key[:-2], mm, key[-1]), address_remap(spans))
+                self._graphs.twin(key, (*key[:-1], mm), address_remap(spans))
 
     def _fetch(self, sub: _Sub) -> list[SampledToken | None]:
         """A sub-step's results, waiting for it (not for later sub-steps) the first time."""
