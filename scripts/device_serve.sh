@@ -89,7 +89,7 @@ if has restart; then
   serve_and_bench restart "$ROOT" "${SERVE_FLAGS:-}" --concurrency $STREAMS --output-tokens 256 --passes 1
 fi
 if has base; then
-  serve_and_bench base /tmp/base "${BASE_FLAGS:---activations q8}" --concurrency $STREAMS --output-tokens 256 --passes 2 --no-ignore-eos
+  serve_and_bench base /tmp/base "${BASE_FLAGS:---activations q8}" --concurrency $STREAMS --output-tokens 256 --passes 2
 fi
 if has ready; then  # start-up alone, both trees (their kernel caches differ: the code version is in the key)
   for tree in "$ROOT" /tmp/base; do

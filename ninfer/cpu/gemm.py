@@ -115,84 +115,91 @@ def _dot(acc, codes, x, xo, s_lo, s_hi, qtype):
     return dot_u8(acc, codes, x, xo, s_lo, s_hi)
 
 
-@njit(inline="always")
-def _rows(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
-    num_tokens, n = xq.shape
-    nb, row_bytes = n // 32, data.shape[1]
-    # flat views of the weights and codes: a view per row would cost two runtime calls a row
-    src, x = data.reshape(-1), xq.reshape(-1)
-    # ... and of the scales, indexed with unsigned integers: a signed index pays for numba's
-    # negative-index wraparound (a shift, an and and a cmov per load; 10-30 % of a Q4_1 row)
-    xdf, xsf = xd.reshape(-1), xs.reshape(-1)
-    if num_tokens == 1:  # decode the blocks as they are dotted; even / odd blocks, two chains
+def _row_loop(qtype):
+    """The row loop of one weight type (code `qtype`, a constant of the compiled function, so
+    it holds only its own decoder): out[:, col0 + o] = the q8 product of every activation row
+    with stored row o, o in lo .. hi - 1."""
+
+    @njit(cache=True)
+    def rows(xq, xd, xs, data, table, out, col0, lo, hi):
+        num_tokens, n = xq.shape
+        nb, row_bytes = n // 32, data.shape[1]
+        # flat views of the weights and codes: a view per row would cost two runtime calls a row
+        src, x = data.reshape(-1), xq.reshape(-1)
+        # ... and of the scales, indexed with unsigned integers: a signed index pays for numba's
+        # negative-index wraparound (a shift, an and and a cmov per load; 10-30 % of a Q4_1 row)
+        xdf, xsf = xd.reshape(-1), xs.reshape(-1)
+        if num_tokens == 1:  # decode the blocks as they are dotted; even / odd blocks, two chains
+            for o in range(lo, hi):
+                base = o * row_bytes
+                acc0, acc1 = acc_zero(), acc_zero()
+                low0, low1 = np.float32(0.0), np.float32(0.0)
+                for bb in range(nb >> 1):
+                    b = np.uint64(2 * bb)
+                    b1 = b + np.uint64(1)
+                    codes, s_lo, s_hi, low = block_codes(src, base, qtype, b, table)
+                    acc0 = _dot(acc0, codes, x, b * 32, s_lo * xdf[b], s_hi * xdf[b], qtype)
+                    if _has_min(qtype):
+                        low0 += low * xsf[b]
+                    codes, s_lo, s_hi, low = block_codes(src, base, qtype, b1, table)
+                    acc1 = _dot(acc1, codes, x, b1 * 32, s_lo * xdf[b1], s_hi * xdf[b1], qtype)
+                    if _has_min(qtype):
+                        low1 += low * xsf[b1]
+                if nb & 1:
+                    b = np.uint64(nb - 1)
+                    codes, s_lo, s_hi, low = block_codes(src, base, qtype, b, table)
+                    acc0 = _dot(acc0, codes, x, b * 32, s_lo * xdf[b], s_hi * xdf[b], qtype)
+                    if _has_min(qtype):
+                        low0 += low * xsf[b]
+                out[0, col0 + o] = acc_sum(acc_add(acc0, acc1)) + (low0 + low1)
+            return
+        codes_buf = np.empty(n, np.uint8)  # batches and prefill: decode each row once, dot every token
+        s_los, s_his, lows = np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.float32)
+        if qtype != 6:  # one scale per block: the same array for both halves (one load, one product)
+            s_his = s_los
         for o in range(lo, hi):
-            base = o * row_bytes
-            acc0, acc1 = acc_zero(), acc_zero()
-            low0, low1 = np.float32(0.0), np.float32(0.0)
-            for bb in range(nb >> 1):
-                b = np.uint64(2 * bb)
-                b1 = b + np.uint64(1)
-                codes, s_lo, s_hi, low = block_codes(src, base, qtype, b, table)
-                acc0 = _dot(acc0, codes, x, b * 32, s_lo * xdf[b], s_hi * xdf[b], qtype)
-                if _has_min(qtype):
-                    low0 += low * xsf[b]
-                codes, s_lo, s_hi, low = block_codes(src, base, qtype, b1, table)
-                acc1 = _dot(acc1, codes, x, b1 * 32, s_lo * xdf[b1], s_hi * xdf[b1], qtype)
-                if _has_min(qtype):
-                    low1 += low * xsf[b1]
-            if nb & 1:
-                b = np.uint64(nb - 1)
-                codes, s_lo, s_hi, low = block_codes(src, base, qtype, b, table)
-                acc0 = _dot(acc0, codes, x, b * 32, s_lo * xdf[b], s_hi * xdf[b], qtype)
-                if _has_min(qtype):
-                    low0 += low * xsf[b]
-            out[0, col0 + o] = acc_sum(acc_add(acc0, acc1)) + (low0 + low1)
-        return
-    codes_buf = np.empty(n, np.uint8)  # batches and prefill: decode each row once, dot every token
-    s_los, s_his, lows = np.empty(nb, np.float32), np.empty(nb, np.float32), np.empty(nb, np.float32)
-    if qtype != 6:  # one scale per block: the same array for both halves (one load, one product)
-        s_his = s_los
-    for o in range(lo, hi):
-        for b in range(nb):
-            codes, s_los[b], s_his[b], lows[b] = block_codes(src, o * row_bytes, qtype, b, table)
-            codes_store(codes_buf, b * 32, codes)
-        for tt in range(num_tokens >> 1):  # two tokens at a time, each as `_decoded_dot`
-            t = np.uint64(2 * tt)
-            xa, xc = t * n, t * n + n  # token t's codes, token t + 1's (and their scales below)
-            da, dc = t * nb, t * nb + nb
-            a0, a1, c0, c1 = acc_zero(), acc_zero(), acc_zero(), acc_zero()
-            la0, la1, lc0, lc1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
-            for bb in range(nb >> 1):
-                b = np.uint64(2 * bb)
-                b1 = b + np.uint64(1)
-                codes = codes_load(codes_buf, b * 32)
-                a0 = _dot(a0, codes, x, xa + b * 32, s_los[b] * xdf[da + b], s_his[b] * xdf[da + b], qtype)
-                c0 = _dot(c0, codes, x, xc + b * 32, s_los[b] * xdf[dc + b], s_his[b] * xdf[dc + b], qtype)
-                if _has_min(qtype):
-                    la0 += lows[b] * xsf[da + b]
-                if _has_min(qtype):
-                    lc0 += lows[b] * xsf[dc + b]
-                codes = codes_load(codes_buf, b1 * 32)
-                a1 = _dot(a1, codes, x, xa + b1 * 32, s_los[b1] * xdf[da + b1], s_his[b1] * xdf[da + b1], qtype)
-                c1 = _dot(c1, codes, x, xc + b1 * 32, s_los[b1] * xdf[dc + b1], s_his[b1] * xdf[dc + b1], qtype)
-                if _has_min(qtype):
-                    la1 += lows[b1] * xsf[da + b1]
-                if _has_min(qtype):
-                    lc1 += lows[b1] * xsf[dc + b1]
-            if nb & 1:
-                b = np.uint64(nb - 1)
-                codes = codes_load(codes_buf, b * 32)
-                a0 = _dot(a0, codes, x, xa + b * 32, s_los[b] * xdf[da + b], s_his[b] * xdf[da + b], qtype)
-                c0 = _dot(c0, codes, x, xc + b * 32, s_los[b] * xdf[dc + b], s_his[b] * xdf[dc + b], qtype)
-                if _has_min(qtype):
-                    la0 += lows[b] * xsf[da + b]
-                if _has_min(qtype):
-                    lc0 += lows[b] * xsf[dc + b]
-            out[t, col0 + o] = acc_sum(acc_add(a0, a1)) + (la0 + la1)
-            out[t + np.uint64(1), col0 + o] = acc_sum(acc_add(c0, c1)) + (lc0 + lc1)
-        if num_tokens & 1:
-            t = num_tokens - 1
-            out[t, col0 + o] = _decoded_dot(codes_buf, s_los, s_his, lows, x, xd, xs, t, n, qtype)
+            for b in range(nb):
+                codes, s_los[b], s_his[b], lows[b] = block_codes(src, o * row_bytes, qtype, b, table)
+                codes_store(codes_buf, b * 32, codes)
+            for tt in range(num_tokens >> 1):  # two tokens at a time, each as `_decoded_dot`
+                t = np.uint64(2 * tt)
+                xa, xc = t * n, t * n + n  # token t's codes, token t + 1's (and their scales below)
+                da, dc = t * nb, t * nb + nb
+                a0, a1, c0, c1 = acc_zero(), acc_zero(), acc_zero(), acc_zero()
+                la0, la1, lc0, lc1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+                for bb in range(nb >> 1):
+                    b = np.uint64(2 * bb)
+                    b1 = b + np.uint64(1)
+                    codes = codes_load(codes_buf, b * 32)
+                    a0 = _dot(a0, codes, x, xa + b * 32, s_los[b] * xdf[da + b], s_his[b] * xdf[da + b], qtype)
+                    c0 = _dot(c0, codes, x, xc + b * 32, s_los[b] * xdf[dc + b], s_his[b] * xdf[dc + b], qtype)
+                    if _has_min(qtype):
+                        la0 += lows[b] * xsf[da + b]
+                    if _has_min(qtype):
+                        lc0 += lows[b] * xsf[dc + b]
+                    codes = codes_load(codes_buf, b1 * 32)
+                    a1 = _dot(a1, codes, x, xa + b1 * 32, s_los[b1] * xdf[da + b1], s_his[b1] * xdf[da + b1], qtype)
+                    c1 = _dot(c1, codes, x, xc + b1 * 32, s_los[b1] * xdf[dc + b1], s_his[b1] * xdf[dc + b1], qtype)
+                    if _has_min(qtype):
+                        la1 += lows[b1] * xsf[da + b1]
+                    if _has_min(qtype):
+                        lc1 += lows[b1] * xsf[dc + b1]
+                if nb & 1:
+                    b = np.uint64(nb - 1)
+                    codes = codes_load(codes_buf, b * 32)
+                    a0 = _dot(a0, codes, x, xa + b * 32, s_los[b] * xdf[da + b], s_his[b] * xdf[da + b], qtype)
+                    c0 = _dot(c0, codes, x, xc + b * 32, s_los[b] * xdf[dc + b], s_his[b] * xdf[dc + b], qtype)
+                    if _has_min(qtype):
+                        la0 += lows[b] * xsf[da + b]
+                    if _has_min(qtype):
+                        lc0 += lows[b] * xsf[dc + b]
+                out[t, col0 + o] = acc_sum(acc_add(a0, a1)) + (la0 + la1)
+                out[t + np.uint64(1), col0 + o] = acc_sum(acc_add(c0, c1)) + (lc0 + lc1)
+            if num_tokens & 1:
+                t = num_tokens - 1
+                out[t, col0 + o] = _decoded_dot(codes_buf, s_los, s_his, lows, x, xd, xs, t, n, qtype)
+
+    return rows
 
 
 @njit(inline="always")
@@ -220,41 +227,12 @@ def _decoded_dot(codes_buf, s_los, s_his, lows, x, xd, xs, t, n, qtype):
 
 # One compiled row loop per type, each with its type code constant, so each holds only its own
 # decoder. No fastmath: reassociation would let LLVM regroup a scale product in one path and
-# not the other, and a row's result would depend on its batch. They must stay separate functions: inlined into one dispatching function, the seven
-# copies make a function LLVM no longer vectorizes (4x slower on a decode step).
-@njit(cache=True)
-def _rows_q4_0(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 0, table, out, col0, lo, hi)
-
-
-@njit(cache=True)
-def _rows_q4_1(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 1, table, out, col0, lo, hi)
-
-
-@njit(cache=True)
-def _rows_q5_0(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 2, table, out, col0, lo, hi)
-
-
-@njit(cache=True)
-def _rows_q5_1(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 3, table, out, col0, lo, hi)
-
-
-@njit(cache=True)
-def _rows_q8_0(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 4, table, out, col0, lo, hi)
-
-
-@njit(cache=True)
-def _rows_q4_k(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 5, table, out, col0, lo, hi)
-
-
-@njit(cache=True)
-def _rows_q6_k(xq, xd, xs, data, table, out, col0, lo, hi):
-    _rows(xq, xd, xs, data, 6, table, out, col0, lo, hi)
+# not the other, and a row's result would depend on its batch. They must stay separate
+# functions: inlined into one dispatching function, the seven copies make a function LLVM no
+# longer vectorizes (4x slower on a decode step). Made by a factory, not as wrappers that
+# inline one generic loop: numba inlines by deep-copying the callee's IR, and that copy cost
+# ~10 s of each type's ~20 s cold compile.
+_rows_q4_0, _rows_q4_1, _rows_q5_0, _rows_q5_1, _rows_q8_0, _rows_q4_k, _rows_q6_k = (_row_loop(q) for q in range(7))
 
 
 @njit(inline="always")
@@ -284,8 +262,8 @@ def gemm_q8(xq, xd, xs, parts, qtypes, table, out, cols, num_threads, first, sto
     runs without the parallel launch."""
     num_threads = max(1, num_threads)
     if num_threads == 1:
-        for p in range(first, stop):
-            _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p], 0, parts[p].shape[0])
+        for p in range(first, stop):  # lo as int64, not the literal 0: one compiled row loop for both paths
+            _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p], np.int64(0), parts[p].shape[0])
         return
     for tid in prange(num_threads):
         for p in range(first, stop):
