@@ -153,7 +153,8 @@ class StepBuffers:
         return (self.tiles_in[0], self.tiles_in[1], self.tiles_in[2], self.row_in[2], self.row_in[3])
 
     @functools.cached_property
-    def _sampler_args(self):
+    def sampler_args(self):
+        """The sampler kernels' arguments (`sampler.sample`), in their order."""
         r, k = self.limits.max_rows, MAX_TOP_LOGPROBS
         out_f32 = self.out.view(np.float32)
         return (
@@ -161,9 +162,6 @@ class StepBuffers:
             self.out[0:r], out_f32[r : 2 * r], self.out[2 * r : (2 + k) * r].reshape(r, k),
             out_f32[(2 + k) * r :].reshape(r, k), *self.sampler_scratch,
         )  # fmt: skip
-
-    def sampler_args(self):
-        return self._sampler_args
 
     def host_outputs(self, mirror: HostMirror):
         """(tokens, logprobs, top ids, top logprobs) views of a pinned output mirror."""

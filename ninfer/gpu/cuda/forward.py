@@ -83,17 +83,21 @@ class Forward:
         # (where a prologue fold is taken, it already removes that kernel)
         self.can_epilogue = self._epilogues(model, bufs)
         self.epilogues = self.epilogues_with(self.folds)
-        # float16 pools: prefill attention on tensor cores over the pools' f16 pairs
-        self._kv_words = None
-        if flash.supports(spec.head_dim, k_pool.dtype):
-            self._kv_words = [(flash.words(k_pool[i]), flash.words(v_pool[i])) for i in range(spec.num_layers)]
-        # Device-array views are made once: numba slices a device array in ~30 us, and a step's
-        # launch sequence took hundreds of them (a third of the warm-up's capture time)
-        self._pools = [(k_pool[i], v_pool[i]) for i in range(spec.num_layers)]
-        self._rows = {}
+        self._make_views(k_pool, v_pool)
         d = spec.d_model
         self._norms2d = [(layer.attn_norm.reshape(1, d), layer.ffn_norm.reshape(1, d)) for layer in model.layers]
         self._posts = [self._post_args(layer) for layer in model.layers]
+
+    def _make_views(self, k_pool, v_pool) -> None:
+        """The per-layer K / V pool views (and, for float16 pools, the f16-pair words prefill
+        attention reads on tensor cores), index j for the j-th layer with a KV pool. Device-array
+        views are made once: numba slices a device array in ~30 us, and a step's launch sequence
+        took hundreds of them (a third of the warm-up's capture time)."""
+        self._kv_words = None
+        if flash.supports(self.spec.head_dim, k_pool.dtype):
+            self._kv_words = [(flash.words(k_pool[j]), flash.words(v_pool[j])) for j in range(k_pool.shape[0])]
+        self._pools = [(k_pool[j], v_pool[j]) for j in range(k_pool.shape[0])]
+        self._rows = {}  # `_row`'s views, made on first use
 
     def launch(self, step: StepPlan, stream, after_layer=None) -> None:
         """Queue the step's kernels; `after_layer(i)`, when given, is called once layer i's are
@@ -254,4 +258,4 @@ class Forward:
         self._norm(self.model.final_norm, s, act, stream, rows=b.last_tok)
         self._linear((self.model.head,), s, act, b.logits, None, stream)
         gated_attn.mask_logits(b.logits, self.num_ids, s, stream)  # padded vocabularies only
-        sampler.sample(b.sampler_args(), s, stream, self.sampler_threads, plan=self.plan)
+        sampler.sample(b.sampler_args, s, stream, self.sampler_threads, plan=self.plan)

@@ -42,7 +42,7 @@ from ninfer.gpu import gdn as gdn_ref
 from ninfer.gpu.cuda.buckets import bucket, token_bucket, warm_rows, zeros
 from ninfer.gpu.cuda.device_weights import DeviceWeight
 from ninfer.gpu.cuda.forward import Forward, StepPlan
-from ninfer.gpu.cuda.kernels import act_quant, embed, flash, gated_attn, gdn, gemm, gemv, swiglu
+from ninfer.gpu.cuda.kernels import act_quant, embed, gated_attn, gdn, gemm, gemv, swiglu
 from ninfer.gpu.cuda.kernels.intrinsics import SIMULATOR
 from ninfer.models.spec import LINEAR_ATTENTION
 
@@ -336,11 +336,7 @@ class HybridForward(Forward):
         self.folds = self.can_epilogue = self.epilogues = frozenset()
         self.num_ids = spec.num_sampled_ids
         self.pool, self.hb = pool, hbufs
-        self._kv_words = None
-        if flash.supports(spec.head_dim, k_pool.dtype):
-            self._kv_words = [(flash.words(k_pool[a]), flash.words(v_pool[a])) for a in range(k_pool.shape[0])]
-        self._pools = [(k_pool[a], v_pool[a]) for a in range(k_pool.shape[0])]  # views made once (Forward)
-        self._rows = {}
+        self._make_views(k_pool, v_pool)
         self._kv_index = {layer: a for a, layer in enumerate(spec.attention_layers)}
         self._gdn_index = {layer: j for j, layer in enumerate(spec.gdn_layers)}
         self._gdn_step: GdnStep | None = None
