@@ -20,7 +20,7 @@ from tiny_models import tiny_llama
 
 from ninfer.cpu.blocks import BLOCK_BYTES, F16_TABLE, QTYPES
 from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
-from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, quantize_rows, quantize_rows_ref
+from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, part_list, quantize_rows, quantize_rows_ref
 from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.cpu.runner import CpuRunner
 from ninfer.gpu import quality
@@ -60,7 +60,7 @@ def readonly(a: np.ndarray) -> np.ndarray:
 def q8_product(tensor: StoredTensor, x: np.ndarray, num_threads: int) -> np.ndarray:
     xq, xd, xs = quantize_rows_ref(x)
     out = np.full((x.shape[0], tensor.shape[0] + 3), np.nan, np.float32)
-    gemm_q8(xq, xd, xs, (readonly(tensor.data),), np.array([QTYPES[tensor.qtype]]), F16_TABLE, out, np.array([3]),
+    gemm_q8(xq, xd, xs, part_list([tensor.data]), np.array([QTYPES[tensor.qtype]]), F16_TABLE, out, np.array([3]),
             num_threads, 0, 1)  # fmt: skip
     assert np.isnan(out[:, :3]).all(), "the kernel wrote outside its columns"
     return out[:, 3:]

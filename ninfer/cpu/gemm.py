@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, typed, types
 
 from ninfer.cpu.blocks import _signed, block_header
 from ninfer.cpu.simd import (
@@ -42,6 +42,21 @@ from ninfer.cpu.simd import (
 )
 
 numba.config.SLP_VECTORIZE = True
+
+# `gemm_q8`'s parts: always a typed list of read-only uint8 matrices, so that one compiled
+# signature serves every matrix (a tuple compiled once per part count, ~10 s each)
+PART_TYPE = types.Array(types.uint8, 2, "C", readonly=True)
+
+
+def part_list(arrays) -> typed.List:
+    """`gemm_q8`'s parts argument: uint8 [rows, bytes per row] matrices (read-only views)."""
+    out = typed.List.empty_list(PART_TYPE)
+    for a in arrays:
+        if a.flags.writeable:
+            a = a.view()
+            a.flags.writeable = False
+        out.append(a)
+    return out
 
 
 @njit(cache=True, fastmath=True)
@@ -256,8 +271,8 @@ def _rows_of(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
 @njit(parallel=True, cache=True)
 def gemm_q8(xq, xd, xs, parts, qtypes, table, out, cols, num_threads, first, stop):
     """out[:, cols[p] + o] = the q8 product of every activation row with stored row o of each
-    part p in first .. stop - 1 (`parts`: a tuple or typed list of uint8 [rows, bytes per row]
-    matrices, type codes `qtypes`, e.g. q / k / v in one call); xq / xd / xs from
+    part p in first .. stop - 1 (`parts`: `part_list` of uint8 [rows, bytes per row] matrices,
+    type codes `qtypes`, e.g. q / k / v in one call); xq / xd / xs from
     `quantize_rows`. Each thread takes one contiguous range of every part's rows; one thread
     runs without the parallel launch."""
     num_threads = max(1, num_threads)

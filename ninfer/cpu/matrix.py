@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from ninfer.cpu.blocks import F16_TABLE, QTYPES
-from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, quantize_rows
+from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, part_list, quantize_rows
 from ninfer.models.weights import StoredTensor
 
 # From this many activation rows (a prefill) a product dequantizes W chunk by chunk for BLAS,
@@ -76,7 +76,7 @@ class QuantMatrix:
         # the quantized parts, for one kernel call: their data, type codes and first columns
         starts = np.cumsum([0] + [p.shape[0] for p in self.parts])[:-1]
         mine = [i for i, p in enumerate(self.parts) if p.qtype in QTYPES]
-        self._q8_parts = tuple(self.parts[i].data for i in mine)
+        self._q8_parts = part_list(self.parts[i].data for i in mine)
         self._q8_types = np.array([QTYPES[self.parts[i].qtype] for i in mine], np.int64)
         self._q8_cols = np.array([starts[i] for i in mine], np.int64)
 

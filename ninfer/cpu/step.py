@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import attrs
 import numpy as np
-from numba import njit, typed, types
+from numba import njit, typed
 
 from ninfer.cpu.attention import paged_attention
 from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
-from ninfer.cpu.gemm import gemm_q8, quantize_rows
+from ninfer.cpu.gemm import PART_TYPE, gemm_q8, quantize_rows
 
-PART_TYPE = types.Array(types.uint8, 2, "C", readonly=True)
 MATRICES = 4  # per layer: qkv, o, gate_up, down
 
 
