@@ -145,9 +145,6 @@ class EventStream:
                 self._hold_until_s = 0.0
                 self._take_ready()
                 continue
-            self._take_ready()  # what is waiting already needs no timeout (a cancel scope a frame)
-            if self._pending or self._is_done:
-                continue
             with trio.move_on_after(self._keepalive_s):
                 try:
                     item = await self._receive.receive()
