@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--no-lookahead", action="store_true")
     parser.add_argument("--frame-gap-us", type=float, default=None,
                         help="as serve --frame-gap-us (default: the server's)")
+    parser.add_argument("--no-gc-freeze", action="store_true", help="as serve --no-gc-freeze")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = load(None)
@@ -113,10 +114,12 @@ def main() -> None:
         settings = ServerSettings(port=args.port, engine=EngineConfig(**fields))
     except TypeError:  # before ServerSettings composed an EngineConfig
         settings = ServerSettings(port=args.port, **fields)
-    if args.frame_gap_us is not None:  # (the option is `serve --frame-gap-us`)
-        import attrs
+    import attrs
 
+    if args.frame_gap_us is not None:  # (the option is `serve --frame-gap-us`)
         settings = attrs.evolve(settings, frame_gap_us=args.frame_gap_us)
+    if args.no_gc_freeze:
+        settings = attrs.evolve(settings, gc_freeze=False)
     trio.run(lambda: serve(settings, model=model, runner=runner))
 
 

@@ -369,8 +369,9 @@ def test_the_new_flags_reach_the_settings():
     from ninfer.cli.serve import settings_from_args
 
     args = build_parser().parse_args(["serve", "model.gguf", "--served-model-name", "a", "b", "--served-model-name", "c",
-                                      "--reserve-gib", "1.5", "--no-webui"])  # fmt: skip
+                                      "--reserve-gib", "1.5", "--no-webui", "--no-gc-freeze"])  # fmt: skip
     settings = settings_from_args(args)
     assert settings.model == "model.gguf" and settings.served_model_names == ("a", "b", "c")
-    assert settings.runtime.reserve_bytes == 3 << 29 and settings.webui is False
-    assert settings_from_args(build_parser().parse_args(["serve"])).webui is True
+    assert settings.runtime.reserve_bytes == 3 << 29 and settings.webui is False and settings.gc_freeze is False
+    defaults = settings_from_args(build_parser().parse_args(["serve"]))
+    assert defaults.webui is True and defaults.gc_freeze is True

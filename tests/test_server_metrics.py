@@ -19,7 +19,7 @@ REQUIRED = {
     "gauge": ["ninfer_requests_running", "ninfer_requests_waiting", "ninfer_requests_paused", "ninfer_kv_pages_used",
               "ninfer_kv_pages_active", "ninfer_kv_pages_capacity"],
     "counter": ["ninfer_prompt_tokens", "ninfer_generation_tokens", "ninfer_cached_prompt_tokens", "ninfer_replayed_tokens",
-                "ninfer_preemptions", "ninfer_requests"],
+                "ninfer_preemptions", "ninfer_requests", "ninfer_gc_pause_seconds", "ninfer_gc_collections"],
     "histogram": ["ninfer_time_to_first_token_seconds", "ninfer_inter_token_latency_seconds",
                   "ninfer_e2e_request_latency_seconds", "ninfer_queue_time_seconds"],
 }  # fmt: skip
@@ -55,6 +55,21 @@ def test_every_required_metric_has_its_type(server):
             assert families.get(name) == kind, (name, families.get(name))
     values = scrape(server.http())
     assert values["ninfer_kv_pages_capacity"] == 2048 / 16
+
+
+def test_a_running_server_freezes_the_heap_and_reports_each_collection(server):
+    import gc
+
+    from ninfer.server import heap
+
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] == heap.YOUNG_THRESHOLD  # --gc-freeze, the default
+    with server.http() as http:
+        before = scrape(http)
+        gc.collect()  # in this process, the server's
+        after = scrape(http)
+    full = 'ninfer_gc_collections_total{generation=2}'
+    assert after[full] >= before[full] + 1
+    assert after['ninfer_gc_pause_seconds_total{generation=2}'] > before['ninfer_gc_pause_seconds_total{generation=2}']
 
 
 def test_counters_and_histograms_follow_a_request(server):

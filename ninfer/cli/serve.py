@@ -89,6 +89,11 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with more than 4 streams, a stream's next text frame waits this many microseconds per "
                        "stream running (each frame then carries several tokens, which leaves the engine its steps; "
                        f"0 sends every token at once) (default: {d('frame_gap_us'):g})")
+    group.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=d("gc_freeze"),
+                       help="once the server is warm, freeze the objects alive out of Python's garbage collector and "
+                            "collect new ones less often: fewer, shorter pauses of the event loop that feeds the GPU "
+                            "(--no-gc-freeze keeps Python's defaults; /metrics reports the pauses either way) "
+                            f"(default: {'on' if d('gc_freeze') else 'off'})")
     group.add_argument("--sse-keepalive-s", type=_positive_float, default=d("keepalive_s"), metavar="S",
                        help=f"SSE comment interval while a stream waits or prefills (default: {d('keepalive_s'):g})")
     group.add_argument("--shutdown-grace-s", type=_non_negative_float, default=d("shutdown_grace_s"), metavar="S",
@@ -179,7 +184,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_names=tuple(args.served_model_name), webui=args.webui,
         api_keys=tuple(dict.fromkeys(keys)), max_request_mib=args.max_request_mib, log_level=args.log_level,
         cors_origins=tuple(args.cors), keepalive_s=args.sse_keepalive_s, shutdown_grace_s=args.shutdown_grace_s,
-        frame_gap_us=args.frame_gap_us,
+        frame_gap_us=args.frame_gap_us, gc_freeze=args.gc_freeze,
         send_timeout_s=args.send_timeout_s, body_timeout_s=args.body_timeout_s,
         rerank_max_documents=args.rerank_max_documents,
         rerank_weights=tuple(getattr(args, f"rerank_weight_{name}") for name in RERANK_OPTIONS),

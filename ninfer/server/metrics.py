@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ninfer.sched.request import Finished
+from ninfer.server import heap
 from ninfer.sched.stats import EngineStatistics, RequestRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -81,12 +82,29 @@ class _EngineCollector:
         yield outcomes
 
 
+class _GcCollector:
+    """Python's garbage collections while a server runs (ninfer.server.heap): each holds the
+    event loop, and with it the step task that feeds the GPU."""
+
+    def collect(self):
+        pauses = heap.PAUSES
+        seconds = CounterMetricFamily("ninfer_gc_pause_seconds", "Time garbage collections held the process.",
+                                      labels=["generation"])  # fmt: skip
+        count = CounterMetricFamily("ninfer_gc_collections", "Garbage collections.", labels=["generation"])
+        for generation in range(3):
+            seconds.add_metric([str(generation)], pauses.seconds[generation])
+            count.add_metric([str(generation)], float(pauses.collections[generation]))
+        yield seconds
+        yield count
+
+
 class ServerMetrics:
     """The registry `/metrics` renders, and the hooks that fill its histograms."""
 
     def __init__(self, statistics: Callable[[], EngineStatistics]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(statistics))
+        self.registry.register(_GcCollector())
         self.ttft = Histogram("ninfer_time_to_first_token_seconds", "Submission to first token.",
                               buckets=_LATENCY_BUCKETS_S, registry=self.registry)  # fmt: skip
         self.itl = Histogram("ninfer_inter_token_latency_seconds", "Gap between consecutive tokens.",

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
+from ninfer.server import heap
 from ninfer.server.settings import MIB, ServerSettings
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ async def _run_engine(settings: ServerSettings, model, runner, switch, shutdown:
                 log.info("warmed up every batch shape in %.1f s (%s)", seconds, kernel_cache_summary())
         switch.stage = "starting the engine"
         backend = backend or {"CudaRunner": "cuda", "CpuRunner": "cpu"}.get(type(runner).__name__, "reference")
-        await _open_app(settings, model, runner, config, backend, switch, shutdown, task_status)
+        with heap.quiet(freeze=settings.gc_freeze, collect=owns_runner):  # the load's garbage is not frozen
+            await _open_app(settings, model, runner, config, backend, switch, shutdown, task_status)
     finally:
         if owns_runner:
             runner.close()

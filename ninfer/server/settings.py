@@ -107,6 +107,7 @@ class ServerSettings:
     frame_gap_us: float = attrs.field(
         default=DEFAULT_FRAME_GAP_US, validator=_require(lambda v: 0 <= v <= 100_000, "--frame-gap-us must be between 0 and 100000, got {value}")
     )  # with many streams, each stream's text frames are this far apart per stream running
+    gc_freeze: bool = True  # once warm, freeze the heap out of the collector (ninfer.server.heap); --no-gc-freeze
     keepalive_s: float = attrs.field(default=10.0, validator=_require(lambda v: v > 0, "--sse-keepalive-s must be positive, got {value}"))
     # ^ SSE comment interval on an idle stream
     shutdown_grace_s: float = attrs.field(
