@@ -194,6 +194,10 @@ def test_a_stacked_matrix_of_mixed_types_multiplies_and_looks_up_rows():
         assert np.abs(got - x @ dense.T).max() < tolerance * np.abs(x @ dense.T).max()
     rows = np.array([21, 0, 9, 14, 13])
     np.testing.assert_array_equal(matrix[rows], dense[rows])
+    # one part or three, every product goes through one compiled signature of gemm_q8 (a
+    # signature per part count compiled lazily, mid-serve, on the first layer of a new kind)
+    q8_product(parts[0], rng.standard_normal((2, 256)).astype(np.float32), 1)
+    assert len(gemm_q8.signatures) == 1, gemm_q8.signatures
 
 
 def test_parts_back_to_back_in_one_buffer_become_one_part():
