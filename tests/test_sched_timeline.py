@@ -148,7 +148,7 @@ async def test_overload_is_rejected_at_once(autojump_clock):
             engine.submit(request(4, 4, seed=3))
         await trio.sleep(0.5)  # the first is running now; the FIFO still holds the second
         with pytest.raises(Overloaded):
-            engine.submit_nowait(request(4, 4, seed=4))
+            engine.submit(request(4, 4, seed=4))
         async with first, second:
             assert (await first.collect()).finished.reason is FinishReason.LENGTH
             assert (await second.collect()).finished.reason is FinishReason.LENGTH

@@ -7,8 +7,8 @@
 
 The engine owns a nursery with one task per execution lane, the step task (the only user of
 the runner) and a deadline task for the queue. `submit` never waits: it queues the request or
-raises (`Overloaded`, `RequestTooLarge`, `InvalidRequest`, `EngineUnhealthy`); `submit_nowait`
-is the same function under trio's name for that contract. See docs/scheduling.md.
+raises (`Overloaded`, `RequestTooLarge`, `InvalidRequest`, `EngineUnhealthy`). See
+docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -197,8 +197,6 @@ class Engine:
                 " waiting for a lane."
             )
         return self._enqueue(request)
-
-    submit_nowait = submit
 
     def drain(self) -> None:
         """Begin a shutdown: refuse new requests and reject the queued ones (`ShuttingDown`);
