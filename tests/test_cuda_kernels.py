@@ -25,10 +25,12 @@ CHECK_NAMES = sorted(re.findall(r"^def check_(\w+)\(", CHECKS.read_text(), re.M)
 
 # The harness runs in three children, in the background while the rest of the suite runs
 # (child_jobs.py): the two whole-runner checks apart, the kernels together (seconds on a busy
-# 2-core machine, measured 2026-12-06: runner 638, lookahead 470, positions 140, the rest ~400).
+# 2-core machine, measured 2026-12-06: runner 638, lookahead 470, positions 140, the rest ~400;
+# after the runner's one-row plans shared a runner and positions took 4-token sub-steps, one
+# child at a time beside another engineer's benchmarks: runner 545, positions 83; lookahead ~500, unchanged).
 GROUPS = {"runner": ["runner"], "steps": ["lookahead", "positions"]}
 GROUPS["kernels"] = [name for name in CHECK_NAMES if name not in {n for g in GROUPS.values() for n in g}]
-COSTS = {"runner": 640, "steps": 610, "kernels": 400}
+COSTS = {"runner": 550, "steps": 600, "kernels": 400}
 JOBS = [
     child_jobs.simulator_job(f"kernel_checks_{group}", [sys.executable, str(CHECKS), "tiny", *names], 2400, __name__,
                              cost_s=COSTS[group])  # fmt: skip

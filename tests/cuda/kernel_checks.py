@@ -705,28 +705,30 @@ def check_runner(scale, rng):
         _close(after.arrays[1][:, 3], snap.arrays[1][:, 0], 0.0, "copy_pages")
         cr.close()
         if acts == "q8":  # one stream: RMSNorm / SwiGLU folded into the GEMVs (gemv_fused)
-            one = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
-                             split_len=8)  # fmt: skip
-            if one.forward.folds != frozenset(FOLDS):
-                raise AssertionError(f"the tiny q8 model should take every fold, takes {sorted(one.forward.folds)}")
-            _compare_one_row(one, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
-            one.close()
+            # then the 8B path: no prologue fold, the epilogue folds instead (gemv_swiglu, and
+            # gemv_rope where there is no q/k norm: the llama model below)
+            def every_fold(runner):
+                if runner.forward.folds != frozenset(FOLDS):
+                    raise AssertionError(f"the tiny q8 model should take every fold, takes {sorted(runner.forward.folds)}")
+
+            _compare_one_row_plans(model, spec, kv_t, rng, rtol, split_len=8,
+                                   plans=[(KernelPlan(), every_fold), (KernelPlan(folds=()), _epilogues_taken)])  # fmt: skip
             # attn_decode_lp (splits of 32; chosen over the one-launch kernel the tiny shape would
             # take), K / V loads after and before the PDL wait (in the replayed graph: racing the
             # K / V write)
-            _check_runner_decode(model, spec, kv_t, rng, rtol, "attn_decode_lp",
-                                 [KernelPlan(lp_over_one=True, lp_preload=pre) for pre in (False, True)])  # fmt: skip
-            # the 8B path: no prologue fold, the epilogue folds instead (gemv_swiglu, and
-            # gemv_rope where there is no q/k norm: a llama model too)
+            _compare_one_row_plans(model, spec, kv_t, rng, rtol, split_len=None, count_lp=True,
+                                   plans=[(KernelPlan(lp_over_one=True, lp_preload=pre), None) for pre in (False, True)])  # fmt: skip
             llama = random_spec("tiny", arch="llama")
-            for e_spec, e_model in ((spec, model), (llama, random_model(llama, "Q4_1", seed=int(rng.integers(1 << 30))))):
-                epi = CudaRunner(e_model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
-                                 split_len=8, plan=KernelPlan(folds=()))  # fmt: skip
-                want = set(EPILOGUES) - ({"qkv_rope"} if e_spec.has_qk_norm else set())
-                if epi.forward.folds or epi.forward.epilogues != want:
-                    raise AssertionError(f"{e_spec.arch}: epilogues {sorted(epi.forward.epilogues)}, not {sorted(want)}")
-                _compare_one_row(epi, ReferenceRunner(e_model, num_pages=8, page_size=4), e_spec, rng, rtol)
-                epi.close()
+            l_model = random_model(llama, "Q4_1", seed=int(rng.integers(1 << 30)))
+            _compare_one_row_plans(l_model, llama, kv_t, rng, rtol, split_len=8,
+                                   plans=[(KernelPlan(folds=()), _epilogues_taken)])  # fmt: skip
+
+
+def _epilogues_taken(runner) -> None:
+    spec = runner.spec
+    want = set(EPILOGUES) - ({"qkv_rope"} if spec.has_qk_norm else set())
+    if runner.forward.folds or runner.forward.epilogues != want:
+        raise AssertionError(f"{spec.arch}: epilogues {sorted(runner.forward.epilogues)}, not {sorted(want)}")
 
 
 def check_positions(scale, rng):
@@ -747,10 +749,12 @@ def check_positions(scale, rng):
     asks = SampleSpec(params=greedy, seed=0, token_index=0, want_all_logits=True, hidden_layers=layers)
     plain = SampleSpec(params=greedy, seed=0, token_index=0, want_logits=True)
     tables = [np.arange(4, dtype=np.int32) + 4 * r for r in range(3)]
-    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in (9, 3)]
+    # sub-steps of 4 tokens: row 0's 5 in two (4, then 1 beside row 1's 3); the simulator's
+    # GEMV cost grows with a sub-step's token bucket (4 here)
+    prompts = [rng.integers(0, spec.vocab_size, n).astype(np.int32) for n in (5, 3)]
     rows = [StepRow(seq_id=r, token_ids=p, start_pos=0, page_table=tables[r], sample=s)
             for r, (p, s) in enumerate(zip(prompts, (asks, plain)))]  # fmt: skip
-    cr = CudaRunner(model, num_pages=16, page_size=4, max_batch_rows=4, max_tokens_per_step=6, activations="f32",
+    cr = CudaRunner(model, num_pages=16, page_size=4, max_batch_rows=4, max_tokens_per_step=4, activations="f32",
                     kv_dtype=np.float32, split_len=8)  # fmt: skip
     rr = ReferenceRunner(model, num_pages=16, page_size=4)
     (g0, g1), (w0, w1) = cr.step(rows), rr.step(rows)
@@ -908,41 +912,59 @@ def _still_running(runner, pending, k) -> None:
         raise AssertionError(f"fed step {k}: the step before had ended when this one was staged")
 
 
-def _check_runner_decode(model, spec, kv_t, rng, rtol, fn_name, plans):
-    """One row whose decode attention is `attn_lp.<fn_name>` under each of `plans`, counted to
-    be sure it ran."""
+def _compare_one_row_plans(model, spec, kv_t, rng, rtol, plans, split_len, count_lp=False):
+    """One row on one q8 runner (max_batch_rows 1): a 5-token prompt under the first of
+    `plans`, then decode steps under each plan in turn (`set_plan` between steps, so each
+    plan's kernels read the K / V the ones before wrote), every step's logits against the
+    reference's. `plans`: (KernelPlan, check(runner) or None, run once the plan is set).
+    `count_lp`: each plan's decode steps must take attn_lp.attn_decode_lp (counted).
+    A plan takes two decode steps on a GPU (its graph captured, then replayed); one under the
+    simulator, which captures no graphs (a second would run the same kernels again)."""
     from ninfer.gpu.cuda.runner import CudaRunner
     from ninfer.gpu.reference import ReferenceRunner
 
+    decodes = 1 if SIMULATOR else 2
+    runner = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
+                        split_len=split_len, plan=plans[0][0])  # fmt: skip
+    steps = _one_row_steps(runner, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
     calls = []
-    fn = getattr(attn_lp, fn_name)
-    setattr(attn_lp, fn_name, lambda *a, **kw: calls.append(1) or fn(*a, **kw))
+    fn = attn_lp.attn_decode_lp
+    if count_lp:
+        attn_lp.attn_decode_lp = lambda *a, **kw: calls.append(1) or fn(*a, **kw)
     try:
-        for plan in plans:
-            runner = CudaRunner(model, num_pages=8, page_size=4, max_batch_rows=1, activations="q8", kv_dtype=kv_t,
-                                plan=plan)  # fmt: skip
-            _compare_one_row(runner, ReferenceRunner(model, num_pages=8, page_size=4), spec, rng, rtol)
-            runner.close()
+        next(steps)  # the prompt
+        for k, (plan, check) in enumerate(plans):
+            if k:
+                runner.set_plan(plan)
+            if check is not None:
+                check(runner)
+            before = len(calls)
+            for _ in range(decodes):
+                next(steps)
+            if count_lp and len(calls) == before:
+                raise AssertionError(f"the decode attention attn_decode_lp was not taken under {plan}")
     finally:
-        setattr(attn_lp, fn_name, fn)
-    if not calls:
-        raise AssertionError(f"the decode attention {fn_name} was not taken")
+        attn_lp.attn_decode_lp = fn
+        runner.close()
 
 
-def _compare_one_row(cuda_runner, ref_runner, spec, rng, rtol, steps=3):
+def _one_row_steps(cuda_runner, ref_runner, spec, rng, rtol):
+    """A generator: each next() runs one step of one greedy row on both runners and compares
+    the logits (a 5-token prompt first, then a decode step a call)."""
     from ninfer.core.params import SamplingParams
     from ninfer.core.runner import SampleSpec, StepRow
 
     table = np.arange(8, dtype=np.int32)
     ids = rng.integers(0, spec.vocab_size, 5).astype(np.int32)
     pos = 0
-    for i in range(steps):
+    for i in range(table.size * 4 - ids.size):
         sample = SampleSpec(params=SamplingParams(temperature=0.0), seed=0, token_index=i, want_logits=True)
         rows = [StepRow(seq_id=0, token_ids=ids, start_pos=pos, page_table=table, sample=sample)]
         (got,), (want,) = cuda_runner.step(rows), ref_runner.step(rows)
-        _close(got.logits, want.logits, rtol, f"one-row step {i} logits")
+        _close(got.logits, want.logits, rtol, f"one-row step {i} logits ({cuda_runner.plan})")
         pos += ids.size
         ids = np.array([want.token_id], np.int32)
+        yield
 
 
 # -- Gated DeltaNet (kernels/gdn.py) --------------------------------------------------------------
