@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -263,3 +264,21 @@ def test_a_temperature_too_small_for_float32_samples_greedily(temperature):
     params = SamplingParams(temperature=temperature)
     assert params.is_greedy and params.temperature == 0.0
     assert not SamplingParams(temperature=1e-4).is_greedy
+
+
+def test_the_next_tokens_spec_keeps_every_field_but_the_token_index():
+    # Every field set away from its default, so a field that next_token forgets shows up.
+    values = {
+        "params": SamplingParams(temperature=0.7, top_k=5), "seed": 11, "token_index": 4,
+        "prompt_ids": np.arange(3, dtype=np.int32), "output_ids": np.arange(2, dtype=np.int32),
+        "allowed": np.ones(8, bool), "num_top_logprobs": 2, "want_logits": True,
+        "score_ids": np.arange(2, dtype=np.int32), "want_hidden": True, "want_all_logits": True,
+        "hidden_layers": (0, -1),
+    }  # fmt: skip
+    assert set(values) == {field.name for field in attrs.fields(SampleSpec)}
+    spec = SampleSpec(**values)
+    following = spec.next_token()
+    assert following.token_index == 5
+    for name, value in values.items():
+        if name != "token_index":
+            assert getattr(following, name) is getattr(spec, name), name

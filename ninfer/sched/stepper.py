@@ -33,8 +33,6 @@ from typing import Any
 import numpy as np
 import trio
 
-import attrs
-
 from ninfer.core.runner import (
     Runner, SampleSpec, StateSnapshot, StepRow, has_checkpoint_slots, next_position, recurrent_state,
 )
@@ -49,6 +47,8 @@ from ninfer.sched.stats import Outcome
 log = logging.getLogger(__name__)
 
 Executor = Callable[..., Awaitable[Any]]
+_FED = np.zeros(1, np.int32)  # a fed row's token ids: the runner takes the token from the step before
+_FED.flags.writeable = False
 
 
 class Stepper:
@@ -370,13 +370,14 @@ class Stepper:
         ahead_kept, ahead_rows = [], []
         for planned_row, row, needs_page in zip(kept, rows, new_page, strict=True):
             seq = planned_row.seq
-            if needs_page:
-                seq.pages += state.pool.allocate(1)
+            page_table = row.page_table  # the runner only reads it: shared until a page is added
+            if needs_page or len(page_table) != len(seq.pages):
+                seq.pages += state.pool.allocate(1) if needs_page else []
+                page_table = np.asarray(seq.pages, dtype=np.int32)
             ahead_kept.append(PlannedRow(seq=seq, num_tokens=1, num_new_pages=0, samples=True))
             ahead_rows.append(StepRow(
-                seq_id=seq.seq_id, token_ids=np.zeros(1, np.int32), start_pos=next_position(row),
-                page_table=np.asarray(seq.pages, dtype=np.int32),
-                sample=attrs.evolve(row.sample, token_index=row.sample.token_index + 1),
+                seq_id=seq.seq_id, token_ids=_FED, start_pos=next_position(row), page_table=page_table,
+                sample=row.sample.next_token(),
             ))  # fmt: skip
         return ahead_kept, ahead_rows
 
