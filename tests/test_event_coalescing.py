@@ -64,11 +64,14 @@ async def test_paced_frames_gather_the_tokens_of_the_gap(autojump_clock):
     alone at once, later frames carry the tokens of their gap, in order, none lost or repeated."""
     from ninfer.core.usage import Timings, Usage
     from ninfer.sched.request import Finished, FinishReason, Started, TokenDelta
-    from ninfer.server.event_stream import EventStream
+    from ninfer.sched.stream import RequestStream
+    from ninfer.server.event_stream import CallRecord, EventStream, FrameTicks
 
     send, receive = trio.open_memory_channel(math.inf)
-    stream = EventStream(receive, trio.CancelScope(), request_id="r", keepalive_s=60, parse_tools=False,
-                         new_call_id=lambda: "c", describe_token=lambda t: (str(t), b""), frame_gap=lambda: 0.005)  # fmt: skip
+    record = CallRecord(source=RequestStream("r", 0, receive, cancel=lambda: None))
+    ticks = FrameTicks(lambda: 0.005)
+    stream = EventStream(record, trio.CancelScope(), request_id="r", keepalive_s=60, parse_tools=False,
+                         new_call_id=lambda: "c", describe_token=lambda t: (str(t), b""), frame_ticks=ticks)  # fmt: skip
 
     async def produce():
         send.send_nowait(Started("r", 3, 0))
@@ -80,11 +83,16 @@ async def test_paced_frames_gather_the_tokens_of_the_gap(autojump_clock):
     frames = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(produce)
+        nursery.start_soon(ticks.run)
         async for event in stream:
             frames.append((trio.current_time(), event))
+        nursery.cancel_scope.cancel()
     deltas = [e for _, e in frames if isinstance(e, TextDelta)]
     assert "".join(d.text for d in deltas) == "".join(f"<{i}>" for i in range(40))
     assert [t for d in deltas for t in d.token_ids] == list(range(40))
     assert len(deltas[0].token_ids) == 1  # the first token is not held
     assert all(4 <= len(d.token_ids) <= 6 for d in deltas[1:-1])  # ~5 ms of tokens a frame
     assert isinstance(frames[-1][1], CallFinished)
+    assert record.is_reported and record.outcome == "length"
+    # a gap for every token after the first: each frame's gap over its tokens (~5 ms / ~5 tokens)
+    assert len(record.gaps) == 39 and all(g == pytest.approx(0.001, rel=0.25) for g in record.gaps[1:])

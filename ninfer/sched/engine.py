@@ -255,7 +255,7 @@ class Engine:
         state.waiting.append(seq)
         state.work_changed.notify()
         state.queue_changed.notify()
-        return RequestStream(request.request_id, seed, ticket.events_receive, lambda: self._cancel(seq))
+        return RequestStream(request.request_id, seed, ticket.events_receive, lambda: self._cancel(seq), ticket.ended)
 
     def _cancel(self, seq: Sequence) -> None:
         state = self._state

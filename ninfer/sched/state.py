@@ -57,6 +57,13 @@ class Ticket:
         self.wake = Signal()  # resumed, or finished while paused
         self.text = text
         self.stop_ids = stop_ids
+        self.ended = trio.Event()  # the last event (Finished or the error) went out
+
+    def end(self, item: Event | EngineError) -> None:
+        """Emit the stream's last event and close it."""
+        self.emit(item)
+        self.events_send.close()
+        self.ended.set()
 
     def emit(self, item: Event | EngineError) -> None:
         try:
@@ -136,8 +143,7 @@ class EngineState:
         ticket = self.tickets.pop(seq.seq_id)
         now_s = trio.current_time()
         usage = Usage(seq.num_prompt, seq.num_output, seq.num_cached_prompt)
-        ticket.emit(Finished(reason, usage, _timings(seq, now_s), **details))
-        ticket.events_send.close()
+        ticket.end(Finished(reason, usage, _timings(seq, now_s), **details))
         ticket.interrupt()
         self._record(seq, _OUTCOME_OF_REASON[reason], now_s)
         self.work_changed.notify()
@@ -169,8 +175,7 @@ class EngineState:
         self.forget_prefix(seq)
         self.release_kv(seq)  # pages a prefix-cache hit attached while it waited
         ticket = self.tickets.pop(seq.seq_id)
-        ticket.emit(error)
-        ticket.events_send.close()
+        ticket.end(error)
         self._record(seq, outcome, trio.current_time())
         self.queue_changed.notify()
 

@@ -38,9 +38,11 @@ class RequestStream:
         seed: int,
         receive: trio.MemoryReceiveChannel,
         cancel: Callable[[], None],
+        ended: trio.Event | None = None,
     ):
         self.request_id = request_id
         self.seed = seed  # the request's seed, or the one drawn for it at submission
+        self.ended = trio.Event() if ended is None else ended  # set by the engine once its last event went out
         self._receive = receive
         self._cancel = cancel
         self._is_done = False
@@ -73,7 +75,8 @@ class RequestStream:
 
     def take_ready(self) -> list[Event]:
         """The events already waiting, without a checkpoint (a reader that fell behind takes
-        them in one go). An `EngineError` among them is raised by the next `__anext__`."""
+        them in one go). An `EngineError` among them is raised by the next `__anext__` (or
+        `receive_ready`)."""
         ready: list[Event] = []
         while not self._is_done and self._error is None:
             try:
@@ -83,13 +86,39 @@ class RequestStream:
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 self._is_done = True
                 break
-            if isinstance(item, EngineError):
-                self._error = item
-                break
-            ready.append(item)
-            if isinstance(item, Finished):
-                self._is_done = True
+            self._take(item, ready)
         return ready
+
+    async def receive_ready(self) -> list[Event]:
+        """Wait for the next events and take every one waiting; [] once the stream ended.
+
+        Unlike iterating, a cancelled wait leaves the request running and loses nothing (a
+        reader may wait under a timeout). An `EngineError` is raised once the events before it
+        were taken."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._is_done = True
+            raise error
+        if self._is_done:
+            return []
+        try:
+            item = await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            self._is_done = True
+            return []
+        ready: list[Event] = []
+        self._take(item, ready)
+        if not ready:  # the error came first
+            return await self.receive_ready()
+        return ready + self.take_ready()
+
+    def _take(self, item: Event | EngineError, ready: list[Event]) -> None:
+        if isinstance(item, EngineError):
+            self._error = item
+            return
+        ready.append(item)
+        if isinstance(item, Finished):
+            self._is_done = True
 
     def cancel(self) -> None:
         """Cancel the request (no-op once it finished); its pages are free within one step."""
@@ -97,9 +126,13 @@ class RequestStream:
             self._is_done = True
             self._cancel()
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Cancel the request and drop its events (a reader waiting for them sees the end)."""
         self.cancel()
         self._receive.close()
+
+    async def aclose(self) -> None:
+        self.close()
         await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def __aenter__(self) -> RequestStream:

@@ -1,9 +1,12 @@
-"""One request's events: a pump task reads the engine stream, `EventStream` converts for APIs.
+"""One request's events: the consumer reads the engine's stream, `EventStream` converts for APIs.
 
-The pump runs in the service's nursery and forwards engine events into a memory channel; the
-consumer (an HTTP handler) reads the channel with a timeout to produce `Idle` keep-alives.
-Closing the `EventStream` cancels the pump, whose exit from the engine stream cancels the
-request in the engine (its pages are freed within one step).
+A holder task in the service's nursery submits the request and keeps it (and its place inside
+the admission gate) until the engine's work for it ended; the consumer (an HTTP handler)
+leaving, or the service shutting down, cancels the holder and with it the request in the engine
+(its pages are free within one step). The consumer reads the engine's stream itself: no task
+sits between the step task and the handler, so a token costs no task switch of its own, and a
+handler that holds its next frame (`FrameTicks`, many streams) is not woken per token at all.
+A timeout on the read gives `Idle` keep-alives.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from ninfer.protocols.calls import (
 from ninfer.protocols.tool_calls import END_TAG, CallPiece, TextPiece, ToolCallParser
 from ninfer.sched.engine import Engine
 from ninfer.sched.request import (
-    EngineError, Finished, FinishReason, GenerationRequest, QueueTimeout, Started, TokenDelta,
+    Finished, FinishReason, GenerationRequest, QueueTimeout, Started, TokenDelta,
 )  # fmt: skip
+from ninfer.sched.stream import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -36,83 +40,101 @@ class CallObserver(Protocol):
         """outcome: stop / length / cancelled / error (the engine's reason) or queue_timeout."""
 
 
-@attrs.frozen
-class _Failure:
-    error: BaseException
+@attrs.define(eq=False)
+class CallRecord:
+    """One call as its holder task and its `EventStream` share it: the engine's stream, how the
+    call ended and the gaps between its tokens as the consumer took them, told to the observer
+    once, when the consumer takes the end or leaves."""
+
+    observer: CallObserver | None = None
+    on_event: Callable[[object], None] | None = None  # sees each engine event (the dashboard's live figures)
+    source: RequestStream | None = None
+    outcome: str = "cancelled"
+    finished: Finished | None = None
+    gaps: list[float] = attrs.Factory(list)
+    last_token_s: float | None = None
+    is_reported: bool = False
+
+    def observe(self, events: list) -> None:
+        """Events taken together: each token's gap is the frame's gap over its tokens."""
+        num_tokens = 0
+        for event in events:
+            if self.on_event is not None:
+                self.on_event(event)
+            if isinstance(event, TokenDelta):
+                num_tokens += len(event.token_ids)
+            elif isinstance(event, Finished):
+                self.outcome, self.finished = event.reason.value, event
+        if num_tokens:
+            now = trio.current_time()
+            if self.last_token_s is not None:
+                self.gaps += [(now - self.last_token_s) / num_tokens] * num_tokens
+            self.last_token_s = now
+
+    def fail(self, error: BaseException) -> None:
+        self.outcome = "queue_timeout" if isinstance(error, QueueTimeout) else "error"
+        self.report()
+
+    def report(self) -> None:
+        if not self.is_reported and self.observer is not None:
+            self.observer.call_finished(self.outcome, self.finished, self.gaps)
+        self.is_reported = True
 
 
-async def pump_events(engine: Engine, request: GenerationRequest, send, observer: CallObserver | None, *,
-                      on_event: Callable[[object], None] | None = None,
-                      task_status=trio.TASK_STATUS_IGNORED):  # fmt: skip
-    """Submit `request` and forward its events to `send` until it finishes or is cancelled;
-    `on_event(event)` sees each engine event first (the dashboard's live figures).
+async def hold_request(engine: Engine, request: GenerationRequest, record: CallRecord, *,
+                       task_status=trio.TASK_STATUS_IGNORED):  # fmt: skip
+    """Submit `request`, hand its stream to `record`, and hold it until the engine's work for it
+    ended (its last events may still wait for the consumer), or the consumer leaves (cancelling
+    the scope given to `task_status`), or the service shuts down; those two cancel the request.
 
     Errors raised before the request is admitted to the queue (Overloaded, RequestTooLarge,
-    EngineUnhealthy) propagate out of `nursery.start`; later ones go down the channel.
+    EngineUnhealthy) propagate out of `nursery.start`; later ones reach the consumer.
     """
-    started, outcome, finished, gaps = False, "cancelled", None, []
     with trio.CancelScope() as scope:
-        async with send:  # closed last, after any failure below went down it
-            try:
-                stream = engine.submit(request)  # never waits: a full queue raises Overloaded at once
-                async with stream as events:
-                    task_status.started(scope)
-                    started = True
-                    outcome, finished = await _forward(events, send, gaps, on_event)
-            except trio.BrokenResourceError:
-                pass  # the consumer left; leaving the engine stream above cancelled the request
-            except EngineError as e:
-                if not started:
-                    raise
-                outcome = "queue_timeout" if isinstance(e, QueueTimeout) else "error"
-                _send_failure(send, e)
-            except Exception as e:
-                if not started:
-                    raise
-                log.exception("request %s failed", request.request_id)
-                outcome = "error"
-                _send_failure(send, e)
-            finally:
-                if started and observer is not None:
-                    observer.call_finished(outcome, finished, gaps)
+        stream = engine.submit(request)  # never waits: a full queue raises Overloaded at once
+        record.source = stream
+        try:
+            task_status.started(scope)
+            await stream.ended.wait()
+        finally:
+            if not stream.ended.is_set():
+                stream.close()  # a consumer still waiting sees the end
 
 
-async def _forward(events, send, gaps: list[float], on_event=None) -> tuple[str, Finished | None]:
-    """Forward the engine's events; whatever is already waiting goes in one go (one task switch
-    per batch, not per token), and the channel is unbounded as the engine's own is."""
-    last_token_s = None
-    async for first in events:
-        for event in (first, *events.take_ready()):
-            if on_event is not None:
-                on_event(event)
-            if isinstance(event, TokenDelta) and event.token_ids:
-                now = trio.current_time()
-                if last_token_s is not None:
-                    gaps.append((now - last_token_s) / len(event.token_ids))
-                last_token_s = now
-            send.send_nowait(event)
-            if isinstance(event, Finished):
-                return event.reason.value, event
-    return "cancelled", None
+class FrameTicks:
+    """The frame clock of paced streams (many at once): one timer for all of them, instead of a
+    deadline (a cancel scope, a Cancelled raised and caught) per stream per frame. A stream that
+    sent a text frame waits for the next tick; the ticks are `gap()` apart while any stream waits."""
 
+    def __init__(self, gap: Callable[[], float]):
+        self.gap = gap
+        self._lot = trio.lowlevel.ParkingLot()
+        self._waited = trio.Event()
 
-def _send_failure(send, error: BaseException) -> None:
-    try:
-        send.send_nowait(_Failure(error))
-    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-        pass
+    async def next_tick(self) -> None:
+        self._waited.set()
+        await self._lot.park()
+
+    async def run(self) -> None:
+        """(a task of the service's nursery) Tick while any stream waits."""
+        while True:
+            await self._waited.wait()
+            await trio.sleep(self.gap())
+            self._waited = trio.Event()  # those woken now wait again for a later tick
+            self._lot.unpark_all()
 
 
 class EventStream:
     """Async iterator (and async context manager) of one call's `CallEvent`s."""
 
-    def __init__(self, receive, scope: trio.CancelScope, *, request_id: str, keepalive_s: float,
+    def __init__(self, record: CallRecord, scope: trio.CancelScope, *, request_id: str, keepalive_s: float,
                  parse_tools: bool, new_call_id: Callable[[], str],
                  describe_token: Callable[[int], tuple[str, bytes]],
-                 frame_gap: Callable[[], float] | None = None):  # fmt: skip
+                 frame_ticks: FrameTicks | None = None):  # fmt: skip
         self.request_id = request_id
-        self._receive = receive
-        self._scope = scope
+        self._record = record
+        self._source = record.source
+        self._scope = scope  # the holder's: cancelling it ends the request
         self._keepalive_s = keepalive_s
         self._parser = ToolCallParser() if parse_tools else None
         self._new_call_id = new_call_id
@@ -120,9 +142,8 @@ class EventStream:
         self._pending: collections.deque[CallEvent] = collections.deque()
         self._num_calls = 0
         self._is_done = False
-        self._failure: _Failure | None = None  # raised once the events before it are taken
-        self._frame_gap = frame_gap  # seconds to hold text after a text frame (many streams)
-        self._hold_until_s = 0.0
+        self._frame_ticks = frame_ticks  # paces text frames (many streams)
+        self._held = False  # a text frame went out: the next waits for a tick
 
     async def __aenter__(self) -> EventStream:
         return self
@@ -135,68 +156,60 @@ class EventStream:
 
     async def __anext__(self) -> CallEvent:
         while not self._pending:
-            if self._failure is not None:
-                failure, self._failure = self._failure, None
-                raise failure.error
             if self._is_done:
                 raise StopAsyncIteration
-            if self._hold_until_s > trio.current_time():
-                await trio.sleep_until(self._hold_until_s)  # tokens gather meanwhile: one frame for them
-                self._hold_until_s = 0.0
-                self._take_ready()
+            if self._held:
+                await self._frame_ticks.next_tick()  # tokens gather meanwhile: one frame for them
+                self._held = False
+                self._convert(self._source.take_ready())
                 continue
             with trio.move_on_after(self._keepalive_s):
                 try:
-                    item = await self._receive.receive()
-                except trio.EndOfChannel:
+                    events = await self._source.receive_ready()
+                except Exception as error:  # the engine's error for this request (after its events)
+                    self._is_done = True
+                    self._record.fail(error)
+                    raise
+                if not events:
                     self._end_without_finish()
-                    continue
-                self._convert(item)
-                self._take_ready()
+                self._convert(events)
                 continue
             return Idle()
         event = self._pending.popleft()
-        if isinstance(event, TextDelta) and self._frame_gap is not None and not self._is_done:
-            gap = self._frame_gap()
-            if gap > 0:
-                self._hold_until_s = trio.current_time() + gap
+        if isinstance(event, TextDelta) and self._frame_ticks is not None and not self._is_done:
+            self._held = self._frame_ticks.gap() > 0
         return event
 
-    def _take_ready(self) -> None:
-        """Convert every event already waiting, so that text a slow reader has not taken yet
-        goes out coalesced (`_append` merges adjacent text deltas): one frame, not one each."""
-        while not self._is_done:
-            try:
-                item = self._receive.receive_nowait()
-            except trio.WouldBlock:
-                return
-            except trio.EndOfChannel:
-                self._end_without_finish()
-                return
-            self._convert(item)
-
     async def aclose(self) -> None:
-        """Cancel the request (if still running) and release the channel."""
+        """Cancel the request (if still running); the call is told to the observer."""
         self._scope.cancel()
-        self._receive.close()
-        self._is_done = True
+        if not self._is_done:
+            self._is_done = True
+            self._record.observe(self._source.take_ready())  # a finish that came meanwhile counts
+        self._record.report()
 
     def _end_without_finish(self) -> None:
-        # The pump stopped without a Finished: the service is shutting down.
+        # The stream ended without a Finished: the holder left (the service is shutting down).
         self._is_done = True
         self._pending.append(CallFinished("cancelled", Usage(0, 0)))
 
-    def _convert(self, item) -> None:
-        if isinstance(item, _Failure):
+    def _convert(self, events: list) -> None:
+        """Convert events taken together; text a slow reader has not taken yet goes out
+        coalesced (`_append` merges adjacent text deltas): one frame, not one each."""
+        try:
+            self._record.observe(events)
+            for item in events:
+                if isinstance(item, Started):
+                    self._pending.append(CallStarted(self.request_id or item.request_id, item.prompt_tokens, item.cached_tokens))
+                elif isinstance(item, TokenDelta):
+                    self._add_delta(item)
+                elif isinstance(item, Finished):
+                    self._add_finish(item)
+        except Exception as error:
+            log.exception("request %s failed", self.request_id)
             self._is_done = True
-            self._failure = item
-            return
-        if isinstance(item, Started):
-            self._pending.append(CallStarted(self.request_id or item.request_id, item.prompt_tokens, item.cached_tokens))
-        elif isinstance(item, TokenDelta):
-            self._add_delta(item)
-        elif isinstance(item, Finished):
-            self._add_finish(item)
+            self._record.fail(error)
+            raise
 
     def _add_delta(self, delta: TokenDelta) -> None:
         logprobs = None if delta.logprobs is None else tuple(self._entry(lp) for lp in delta.logprobs)
@@ -234,6 +247,7 @@ class EventStream:
         stop_sequence = None if finished.stop_sequence == END_TAG and self._parser else finished.stop_sequence
         self._pending.append(CallFinished(name, finished.usage, finished.timings, stop_sequence, finished.error))
         self._is_done = True
+        self._record.report()
 
     def _from_pieces(self, pieces) -> list[CallEvent]:
         events: list[CallEvent] = []

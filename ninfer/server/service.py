@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -56,7 +55,7 @@ from ninfer.sched.request import EngineError, GenerationRequest
 from ninfer.server.chat_prompt import (
     build_constraint, render_chat, tool_specs, uses_tool_parser, validate_tool_choice,
 )  # fmt: skip
-from ninfer.server.event_stream import CallObserver, EventStream, pump_events
+from ninfer.server.event_stream import CallObserver, CallRecord, EventStream, FrameTicks, hold_request
 from ninfer.server.live import LiveTracker
 from ninfer.server.quiesce import AdmissionGate
 from ninfer.server.settings import DEFAULT_FRAME_GAP_US
@@ -121,6 +120,7 @@ class GenerationService:
         self.observer = observer
         self.created_s = int(time.time())  # the model's "created" in /v1/models
         self._nursery = nursery
+        self.frame_ticks = FrameTicks(self._frame_gap)  # open_service runs its clock
         self._large_input_limiter = trio.CapacityLimiter(LARGE_INPUT_THREADS)
         self._max_chars_per_token = _max_chars_per_token(model.tokenizer)
 
@@ -310,30 +310,29 @@ class GenerationService:
                 raise InvalidRequest(f"Token id {t!r} is out of range [0, {vocab}).", f"{param}.{i}")
 
     async def _start(self, request: GenerationRequest, *, parse_tools: bool) -> EventStream:
-        send, receive = trio.open_memory_channel(math.inf)  # bounded by max_tokens, as the engine's
-        route = current_route.get()
-        scope = await self._nursery.start(self._pump_gated, request, send, route)
+        record = CallRecord(self.observer)
+        scope = await self._nursery.start(self._hold_gated, request, record, current_route.get())
         return EventStream(
-            receive, scope, request_id=request.request_id, keepalive_s=self.keepalive_s,
+            record, scope, request_id=request.request_id, keepalive_s=self.keepalive_s,
             parse_tools=parse_tools, new_call_id=new_call_id, describe_token=self._describe_token,
-            frame_gap=self._frame_gap,
+            frame_ticks=self.frame_ticks,
         )  # fmt: skip
 
-    async def _pump_gated(self, request: GenerationRequest, send, route: str, *, task_status) -> None:
-        """The request's pump, inside the admission gate (held while the engine is quiesced)."""
+    async def _hold_gated(self, request: GenerationRequest, record: CallRecord, route: str, *, task_status) -> None:
+        """The request's holder, inside the admission gate (held while the engine is quiesced)."""
         async with self.gate.entered():
-            on_event = self.live.begin(request.request_id, route, len(request.prompt_ids))
+            record.on_event = self.live.begin(request.request_id, route, len(request.prompt_ids))
             try:
-                await pump_events(self.engine, request, send, self.observer, on_event=on_event, task_status=task_status)
+                await hold_request(self.engine, request, record, task_status=task_status)
             finally:
-                on_event(None)
+                record.on_event(None)
 
     def _frame_gap(self) -> float:
-        """Seconds a stream holds its next text frame after one went out: none for a few
-        streams; with many, each stream's frames carry several tokens, so the handlers' work
-        per token (JSON, SSE, the socket write, all on this one event loop) leaves the engine
-        its steps. Tokens still arrive in order and nothing is dropped; the first token is never
-        held, the end at most one gap."""
+        """Seconds between the frame clock's ticks (a stream that sent a text frame sends its
+        next at the next tick): none for a few streams; with many, each stream's frames carry
+        several tokens, so the handlers' work per token (JSON, SSE, the socket write, all on
+        this one event loop) leaves the engine its steps. Tokens still arrive in order and
+        nothing is dropped; the first token is never held, the end at most one gap."""
         return self.frame_gap_s * max(0, self.engine.num_running - PACED_FROM_STREAMS + 1)
 
     def _describe_token(self, token_id: int) -> tuple[str, bytes]:
@@ -398,7 +397,7 @@ async def open_service(
     defaults: ServiceDefaults = ServiceDefaults(), keepalive_s: float = 10.0,
     observer: CallObserver | None = None, frame_gap_s: float = FRAME_GAP_PER_STREAM_S, aliases: tuple[str, ...] = (),
 ) -> AsyncIterator[GenerationService]:  # fmt: skip
-    """A service over an open engine; owns the tasks that pump each request's events."""
+    """A service over an open engine; owns the tasks that hold each request, and the frame clock."""
     grammar = await trio.to_thread.run_sync(_load_grammar, model)
     async with trio.open_nursery() as nursery:
         service = GenerationService(
@@ -406,6 +405,7 @@ async def open_service(
             defaults=defaults, grammar=grammar, keepalive_s=keepalive_s, observer=observer, frame_gap_s=frame_gap_s,
             aliases=aliases,
         )  # fmt: skip
+        nursery.start_soon(service.frame_ticks.run)
         try:
             yield service
         finally:
