@@ -27,9 +27,9 @@ request that times out in the queue raises `QueueTimeout` from the iterator befo
 `CallStarted`; an engine failure mid-answer ends with `CallFinished(reason="error")`.
 Leaving the stream (or `aclose()`, or cancelling the consumer) cancels the request.
 
-Each stream's engine events are pumped by a task in the service's own nursery into a memory
-channel, so the consumer can wait with a timeout (for `Idle`) without ever cancelling a call
-into the engine.
+Each request is held by a task in the service's own nursery (`event_stream.hold_request`); the
+consumer reads the engine's stream itself and waits with a timeout (for `Idle`) without
+cancelling the request.
 """
 
 from __future__ import annotations
