@@ -14,6 +14,7 @@ import cattrs
 
 from ninfer.core.usage import Usage
 from ninfer.protocols.calls import CallResult, LogprobEntry, TextDelta, ToolCallDelta
+from ninfer.protocols.sse import encode_json, sse_event
 
 _OUT = cattrs.Converter(omit_if_default=True)
 
@@ -154,12 +155,16 @@ class ChatCompletionChunk:
     usage: UsageOut | None = None
 
 
+_MARK = "ninfer-text-5f0c"  # stands for a text delta's content in ChatChunker's event template
+
+
 class ChatChunker:
     """Builds the chunks of one streamed chat answer, in order."""
 
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool):
         self._head = (id, created, model)
         self._include_usage = include_usage
+        self._text_frame: tuple[bytes, ...] | None = None  # (before, after) the content's JSON string
 
     def _chunk(self, choices: list[ChunkChoice], usage: UsageOut | None = None) -> dict[str, Any]:
         return {"object": "chat.completion.chunk", **to_wire(ChatCompletionChunk(*self._head, choices, usage))}
@@ -171,6 +176,23 @@ class ChatChunker:
         if not delta.text and not delta.logprobs:
             return None
         return self._chunk([ChunkChoice(0, DeltaOut(content=delta.text), chat_logprobs(delta.logprobs), None)])
+
+    def text_event(self, delta: TextDelta) -> bytes | None:
+        """`text`'s chunk as an SSE event. Plain text (no logprobs), once a frame per stream on
+        the serving path, fills the bytes of one such event made once: only the content is
+        encoded, and the event is the one `sse_event(self.text(delta))` gives."""
+        if self._text_frame is None:
+            mark = encode_json(_MARK).encode()
+            event = sse_event(self.text(TextDelta(_MARK)))
+            # (an id or model name that is the marker itself: no template, every event encoded)
+            self._text_frame = tuple(event.split(mark)) if event.count(mark) == 1 else ()
+        if delta.logprobs is not None or not self._text_frame:
+            chunk = self.text(delta)
+            return None if chunk is None else sse_event(chunk)
+        if not delta.text:
+            return None
+        before, after = self._text_frame
+        return before + encode_json(delta.text).encode() + after
 
     def tool_call(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
         """Two chunks per call: id + name first, then the arguments (as OpenAI streams them)."""

@@ -72,8 +72,8 @@ def _chat_chunks(chunker: out.ChatChunker, event) -> list[bytes]:
     if isinstance(event, CallStarted):
         return [sse_event(chunker.role())]
     if isinstance(event, TextDelta):
-        chunk = chunker.text(event)
-        return [sse_event(chunk)] if chunk else []
+        frame = chunker.text_event(event)
+        return [frame] if frame else []
     if isinstance(event, ToolCallDelta):
         return [sse_event(c) for c in chunker.tool_call(event)]
     if isinstance(event, CallFinished):

@@ -1,0 +1,44 @@
+"""Streamed chat chunks (no server): the text event made from a template is the event the
+general path encodes, byte for byte, and the real `openai` SDK's chunk type reads it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from ninfer.protocols.calls import LogprobEntry, TextDelta
+from ninfer.protocols.openai_out import _MARK, ChatChunker
+from ninfer.protocols.sse import sse_event
+
+TEXTS = ["Hello", " world", 'a "quoted" \\ back\\slash', "line\nbreak\ttab\r", "Ünïcödé – ✓ 🦙", "\x00\x1f",
+         "</s>", "{\"json\": [1, 2]}", _MARK, f"x{_MARK}y"]  # fmt: skip
+
+
+def _general(chunker: ChatChunker, delta: TextDelta) -> bytes | None:
+    chunk = chunker.text(delta)
+    return None if chunk is None else sse_event(chunk)
+
+
+@pytest.mark.parametrize("model", ["SmolLM2-135M-Instruct", _MARK])
+def test_a_text_event_from_the_template_is_the_general_one(model):
+    chunker = ChatChunker(id="chatcmpl-1", created=1_700_000_000, model=model, include_usage=False)
+    for text in TEXTS:
+        delta = TextDelta(text, (1, 2))
+        event = chunker.text_event(delta)
+        assert event == _general(chunker, delta), text
+        [line] = event.decode().removesuffix("\n\n").split("\n")
+        parsed = ChatCompletionChunk.model_validate(json.loads(line.removeprefix("data: ")))
+        assert parsed.choices[0].delta.content == text and parsed.model == model
+
+
+def test_empty_text_has_no_event_and_logprobs_take_the_general_path():
+    chunker = ChatChunker(id="chatcmpl-1", created=1, model="m", include_usage=True)
+    assert chunker.text_event(TextDelta("")) is None
+    entry = LogprobEntry(7, "hi", b"hi", -0.25, (LogprobEntry(8, "ho", b"ho", -1.5),))
+    for delta in (TextDelta("hi", (7,), (entry,)), TextDelta("", (7,), (entry,))):
+        event = chunker.text_event(delta)
+        assert event is not None and event == _general(chunker, delta)
+        parsed = ChatCompletionChunk.model_validate(json.loads(event.decode().removeprefix("data: ")))
+        assert parsed.choices[0].logprobs.content[0].logprob == -0.25
