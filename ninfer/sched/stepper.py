@@ -370,9 +370,10 @@ class Stepper:
         ahead_kept, ahead_rows = [], []
         for planned_row, row, needs_page in zip(kept, rows, new_page, strict=True):
             seq = planned_row.seq
+            if needs_page:
+                seq.pages += state.pool.allocate(1)
             page_table = row.page_table  # the runner only reads it: shared until a page is added
-            if needs_page or len(page_table) != len(seq.pages):
-                seq.pages += state.pool.allocate(1) if needs_page else []
+            if len(page_table) != len(seq.pages):
                 page_table = np.asarray(seq.pages, dtype=np.int32)
             ahead_kept.append(PlannedRow(seq=seq, num_tokens=1, num_new_pages=0, samples=True))
             ahead_rows.append(StepRow(

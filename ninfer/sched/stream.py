@@ -52,10 +52,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> Event:
-        if self._error is not None:
-            error, self._error = self._error, None
-            self._is_done = True
-            raise error
+        self._raise_held_error()
         if self._is_done:
             raise StopAsyncIteration
         try:
@@ -95,10 +92,7 @@ class RequestStream:
         Unlike iterating, a cancelled wait leaves the request running and loses nothing (a
         reader may wait under a timeout). An `EngineError` is raised once the events before it
         were taken."""
-        if self._error is not None:
-            error, self._error = self._error, None
-            self._is_done = True
-            raise error
+        self._raise_held_error()
         if self._is_done:
             return []
         try:
@@ -111,6 +105,13 @@ class RequestStream:
         if not ready:  # the error came first
             return await self.receive_ready()
         return ready + self.take_ready()
+
+    def _raise_held_error(self) -> None:
+        """Raise the error `take_ready` met (the events before it were taken), once."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._is_done = True
+            raise error
 
     def _take(self, item: Event | EngineError, ready: list[Event]) -> None:
         if isinstance(item, EngineError):
