@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import attrs
 import gguf.quants
+import numba
 import numpy as np
 import pytest
 import test_sched_reference as sched_tests
@@ -23,6 +24,7 @@ from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
 from ninfer.cpu.gemm import dequantize_rows, gemm_half, gemm_q8, part_list, quantize_rows, quantize_rows_ref
 from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.cpu.runner import CpuRunner
+from ninfer.cpu.sync import safe_layer
 from ninfer.gpu import quality
 from ninfer.gpu.reference import ReferenceRunner
 from ninfer.models.weights import ModelWeights, StoredTensor
@@ -305,6 +307,10 @@ def test_the_one_call_forward_is_the_per_layer_forward_bit_for_bit(model, num_th
         weights = (attrs.evolve(spec, arch="qwen2", has_qkv_bias=True), weights)
     runner = CpuRunner(weights, num_pages=24, page_size=4, num_threads=num_threads)
     assert runner._layer_tables is not None
+    if num_threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip(f"numba's pool has {numba.config.NUMBA_NUM_THREADS} threads")
+    numba.set_num_threads(num_threads)  # as `_step` does: the threads meet at barriers (`sync.py`)
+    assert safe_layer()
 
     def rows():  # prompt rows spanning pages, decode rows at various lengths
         return [StepRow(seq_id=0, token_ids=np.array([3, 9, 4, 1, 7], np.int32), start_pos=0, page_table=np.arange(8)),

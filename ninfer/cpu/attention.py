@@ -56,11 +56,18 @@ def paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, 
     q / out [N, heads, head_dim]. One (query, head) task per iteration; one thread runs them
     without the parallel launch (one thread asked for, or less than `PARALLEL_FROM` work)."""
     num_queries, num_heads, head_dim = q.shape
-    if num_threads == 1 or num_queries * num_heads * lengths.max() * head_dim < PARALLEL_FROM:
-        for task in range(num_queries * num_heads):
-            i, h = task // num_heads, task % num_heads
-            attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)
+    tasks = num_queries * num_heads
+    if num_threads == 1 or tasks * lengths.max() * head_dim < PARALLEL_FROM:
+        attend_tasks(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out, 0, tasks)
         return
-    for task in prange(num_queries * num_heads):
+    for task in prange(tasks):
+        attend_tasks(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out, task, task + 1)
+
+
+@njit(cache=True)
+def attend_tasks(k_pool, v_pool, q, tables, table_of, lengths, group, scale, out, first, stop):
+    """Tasks first .. stop - 1 of `paged_attention` (task = query x heads + head)."""
+    num_heads = q.shape[1]
+    for task in range(first, stop):
         i, h = task // num_heads, task % num_heads
         attend_one(k_pool, v_pool, q, i, h, tables[table_of[i]], lengths[i], group, scale, out)

@@ -268,6 +268,16 @@ def _rows_of(xq, xd, xs, data, qtype, table, out, col0, lo, hi):
         _rows_q6_k(xq, xd, xs, data, table, out, col0, lo, hi)
 
 
+@njit(cache=True)
+def gemm_share(tid, num_threads, xq, xd, xs, parts, qtypes, table, out, cols, first, stop):
+    """Thread tid's share of `gemm_q8`: its contiguous range of every part's rows (rows are
+    computed alike whoever computes them, so the split never changes a result)."""
+    for p in range(first, stop):
+        rows = parts[p].shape[0]
+        _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p],
+                 tid * rows // num_threads, (tid + 1) * rows // num_threads)  # fmt: skip
+
+
 @njit(parallel=True, cache=True)
 def gemm_q8(xq, xd, xs, parts, qtypes, table, out, cols, num_threads, first, stop):
     """out[:, cols[p] + o] = the q8 product of every activation row with stored row o of each
@@ -277,14 +287,10 @@ def gemm_q8(xq, xd, xs, parts, qtypes, table, out, cols, num_threads, first, sto
     runs without the parallel launch."""
     num_threads = max(1, num_threads)
     if num_threads == 1:
-        for p in range(first, stop):  # lo as int64, not the literal 0: one compiled row loop for both paths
-            _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p], np.int64(0), parts[p].shape[0])
+        gemm_share(0, 1, xq, xd, xs, parts, qtypes, table, out, cols, first, stop)
         return
     for tid in prange(num_threads):
-        for p in range(first, stop):
-            rows = parts[p].shape[0]
-            _rows_of(xq, xd, xs, parts[p], qtypes[p], table, out, cols[p],
-                     tid * rows // num_threads, (tid + 1) * rows // num_threads)  # fmt: skip
+        gemm_share(tid, num_threads, xq, xd, xs, parts, qtypes, table, out, cols, first, stop)
 
 
 @njit(parallel=True, cache=True)

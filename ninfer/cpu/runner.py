@@ -30,6 +30,7 @@ from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
 from ninfer.cpu.blocks import F16_TABLE
 from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.cpu.step import LayerTables, forward_layers, query_tables
+from ninfer.cpu.sync import safe_layer
 from ninfer.gpu.blas import available_cores
 from ninfer.gpu.reference import ReferenceRunner, rms_norm, spec_and_weights
 from ninfer.models.weights import ModelWeights, StoredTensor
@@ -93,6 +94,7 @@ class CpuRunner(ReferenceRunner):
         super().__init__((spec, kept), num_pages=num_pages, page_size=page_size)
         self._fused_glue = self._fusable()  # asked once, not per layer and step
         self._layer_tables = LayerTables.build(self._layers) if self._fused_glue else None
+        self._step_threads: int | None = None  # forward_layers' threads: 1 unless `sync.safe_layer`
 
     def warm_up(self, *, progress: bool = False) -> None:
         """Compile every kernel a step can reach, or load it from numba's disk cache (a first
@@ -138,12 +140,17 @@ class CpuRunner(ReferenceRunner):
         if self._layer_tables is None or kept or x.shape[0] >= BLAS_FROM:
             return super()._layers_forward(x, rows, batch, kept)
         spec, t = self.spec, self._layer_tables
+        if self._step_threads is None:  # asked once the pool exists (the first step starts it)
+            self._step_threads = self.num_threads if safe_layer() else 1
+        # never more threads than the region will have: two iterations on one thread would
+        # wait at the first barrier for themselves (`_step` sets the count; direct callers may not)
+        threads = min(self._step_threads, numba.get_num_threads())
         tables, table_of, lengths = query_tables(rows, self.page_size)
         x = forward_layers(np.ascontiguousarray(x, np.float32), t.parts, t.qtypes, t.cols, t.bounds, t.norms,
                            t.biases, t.slots, self._k, self._v, np.ascontiguousarray(batch.cos[:, 0]),
                            np.ascontiguousarray(batch.sin[:, 0]), batch.pages, batch.slots, tables, table_of, lengths,
                            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.d_ffn, np.float32(spec.rms_eps),
-                           np.float32(1.0 / np.sqrt(spec.head_dim)), F16_TABLE, self.num_threads)  # fmt: skip
+                           np.float32(1.0 / np.sqrt(spec.head_dim)), F16_TABLE, threads)  # fmt: skip
         return x, {}
 
     def _layer_forward(self, layer, x: np.ndarray, rows, batch) -> np.ndarray:

@@ -4,8 +4,15 @@
 products' dispatch, the attention's tables). At one SmolLM2 stream that glue cost about as
 much per step as all the attention: a third of a step on top of the products. `forward_layers`
 runs the same calls for all layers inside one compiled function, in the same order and with
-the same kernels (`gemm.gemm_q8`, `fused.py`, `attention.paged_attention`), so its result is
-bit for bit the per-layer path's (the tests hold it there).
+the same kernels (`gemm.gemm_q8`'s row loops, `fused.py`, `attention.paged_attention`'s
+tasks), so its result is bit for bit the per-layer path's (the tests hold it there).
+
+Threads: one parallel launch per step, not one per product. Each thread walks every layer,
+takes its share of each product's rows and of the attention's (query, head) tasks, and waits
+for the others at a spinning barrier (`sync.py`) where a stage reads what another wrote;
+thread 0 runs the short glue between. A SmolLM2 decode step has 120 products of 0.2-1.1 MB:
+a launch each (~3-5 us, more when the pool's threads slept) held two threads to ~8 GB/s of
+weights, against ~11-13 GB/s in one launch.
 
 The weights travel as one typed list of every quantized part of every layer (`LayerTables`,
 built once per runner) with per-part type codes and output columns, and per layer and matrix
@@ -17,11 +24,12 @@ from __future__ import annotations
 
 import attrs
 import numpy as np
-from numba import njit, typed
+from numba import njit, prange, typed
 
-from ninfer.cpu.attention import paged_attention
+from ninfer.cpu.attention import attend_tasks
 from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
-from ninfer.cpu.gemm import PART_TYPE, gemm_q8, quantize_rows
+from ninfer.cpu.gemm import PART_TYPE, gemm_share, quantize_rows
+from ninfer.cpu.sync import barrier
 
 MATRICES = 4  # per layer: qkv, o, gate_up, down
 
@@ -70,18 +78,23 @@ class LayerTables:
         )  # fmt: skip
 
 
-@njit(cache=True)
+@njit(parallel=True, cache=True)
 def forward_layers(x, parts, qtypes, cols, bounds, norms, biases, slots, k_pools, v_pools, cos, sin, pages,
                    page_slots, tables, table_of, lengths, num_heads, num_kv_heads, head_dim, d_ffn, eps, scale,
                    f16_table, num_threads):  # fmt: skip
     """x [T, d] through every layer -> the last layer's output [T, d] (as `CpuRunner`'s
-    per-layer forward: same calls, same order). k_pools / v_pools: the runner's pools
+    per-layer forward: same kernels, same order). k_pools / v_pools: the runner's pools
     [layer slots, pages, page_size, kv heads, head_dim]; cos / sin [T, rotary half]; pages /
     page_slots: where each token's K / V go; query t attends positions 0 .. lengths[t] - 1 of
-    page table tables[table_of[t]]."""
+    page table tables[table_of[t]].
+
+    One parallel launch for the whole step: each of `num_threads` threads (numba's pool must
+    have that many, and a `sync.safe_layer`) walks every layer, takes its share of each
+    product and of the attention, and meets the others at `sync.barrier` between stages;
+    thread 0 alone runs the short serial glue (norms, RoPE, SwiGLU, the quantizations)."""
     num_tokens, d = x.shape
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-    group = num_heads // num_kv_heads
+    # every buffer is made here, before the threads start, and shared by them
     h = np.empty_like(x)
     xq, xd, xs = np.empty((num_tokens, d), np.int8), np.empty((num_tokens, d // 32), np.float32), np.empty(
         (num_tokens, d // 32), np.float32
@@ -99,31 +112,73 @@ def forward_layers(x, parts, qtypes, cols, bounds, norms, biases, slots, k_pools
     gate_up = np.empty((num_tokens, 2 * d_ffn), np.float32)
     act = np.empty((num_tokens, d_ffn), np.float32)
     down = np.empty((num_tokens, d), np.float32)
+    residual = np.empty((2, num_tokens, d), np.float32)  # layer l writes residual[l % 2]
+    sync = np.zeros(2, np.int64)
+    num_threads = max(1, num_threads)
+    if num_threads == 1:
+        _layers_share(0, 1, sync, x, residual, h, xq, xd, xs, fq, fd, fs, aq, ad, as_, qkv, q, attn, o, gate_up,
+                      act, down, parts, qtypes, cols, bounds, norms, biases, slots, k_pools, v_pools, cos, sin,
+                      pages, page_slots, tables, table_of, lengths, num_heads, num_kv_heads, head_dim, d_ffn, eps,
+                      scale, f16_table)  # fmt: skip
+    else:
+        for tid in prange(num_threads):
+            _layers_share(tid, num_threads, sync, x, residual, h, xq, xd, xs, fq, fd, fs, aq, ad, as_, qkv, q, attn,
+                          o, gate_up, act, down, parts, qtypes, cols, bounds, norms, biases, slots, k_pools, v_pools,
+                          cos, sin, pages, page_slots, tables, table_of, lengths, num_heads, num_kv_heads, head_dim,
+                          d_ffn, eps, scale, f16_table)  # fmt: skip
+    return residual[(bounds.shape[0] - 1) % 2]
+
+
+@njit(cache=True)
+def _layers_share(tid, num_threads, sync, x0, residual, h, xq, xd, xs, fq, fd, fs, aq, ad, as_, qkv, q, attn, o,
+                  gate_up, act, down, parts, qtypes, cols, bounds, norms, biases, slots, k_pools, v_pools, cos, sin,
+                  pages, page_slots, tables, table_of, lengths, num_heads, num_kv_heads, head_dim, d_ffn, eps, scale,
+                  f16_table):  # fmt: skip
+    """Thread tid's walk through every layer of `forward_layers` (stages apart by barriers)."""
+    num_tokens, d = x0.shape
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    group, tasks = num_heads // num_kv_heads, num_tokens * num_heads
     no_rows = np.zeros((0, 0), np.float32)
+    lead = tid == 0
     for layer in range(bounds.shape[0]):
         b, k_pool, v_pool = bounds[layer], k_pools[slots[layer]], v_pools[slots[layer]]
-        add_norm_quant(x, no_rows, norms[layer, 0], eps, x, h, xq, xd, xs)
-        gemm_q8(xq, xd, xs, parts, qtypes, f16_table, qkv, cols, num_threads, b[0], b[1])
-        if biases.shape[1]:
+        x = x0 if layer == 0 else residual[(layer - 1) % 2]
+        new_x = residual[layer % 2]
+        if lead:
+            add_norm_quant(x, no_rows, norms[layer, 0], eps, x, h, xq, xd, xs)
+        barrier(sync, num_threads)
+        gemm_share(tid, num_threads, xq, xd, xs, parts, qtypes, f16_table, qkv, cols, b[0], b[1])
+        barrier(sync, num_threads)
+        if lead:
+            if biases.shape[1]:
+                for t in range(num_tokens):
+                    for j in range(qkv.shape[1]):
+                        qkv[t, j] += biases[layer, j]
+            rope_store(qkv, q_dim, kv_dim, num_heads, num_kv_heads, head_dim, cos, sin, k_pool, v_pool, pages,
+                       page_slots, q)  # fmt: skip
+        barrier(sync, num_threads)
+        attend_tasks(k_pool, v_pool, q, tables, table_of, lengths, group, scale, attn,
+                     tid * tasks // num_threads, (tid + 1) * tasks // num_threads)  # fmt: skip
+        barrier(sync, num_threads)
+        if lead:
+            quantize_rows(attn.reshape(num_tokens, q_dim), aq, ad, as_)
+        barrier(sync, num_threads)
+        gemm_share(tid, num_threads, aq, ad, as_, parts, qtypes, f16_table, o, cols, b[1], b[2])
+        barrier(sync, num_threads)
+        if lead:
+            add_norm_quant(x, o, norms[layer, 1], eps, new_x, h, xq, xd, xs)
+        barrier(sync, num_threads)
+        gemm_share(tid, num_threads, xq, xd, xs, parts, qtypes, f16_table, gate_up, cols, b[2], b[3])
+        barrier(sync, num_threads)
+        if lead:
+            swiglu_quant(gate_up, d_ffn, act, fq, fd, fs)
+        barrier(sync, num_threads)
+        gemm_share(tid, num_threads, fq, fd, fs, parts, qtypes, f16_table, down, cols, b[3], b[4])
+        barrier(sync, num_threads)
+        if lead:  # the next layer's first stage is thread 0's too: no barrier between
             for t in range(num_tokens):
-                for j in range(qkv.shape[1]):
-                    qkv[t, j] += biases[layer, j]
-        rope_store(qkv, q_dim, kv_dim, num_heads, num_kv_heads, head_dim, cos, sin, k_pool, v_pool, pages,
-                   page_slots, q)  # fmt: skip
-        paged_attention(k_pool, v_pool, q, tables, table_of, lengths, group, scale, attn, num_threads)
-        flat = attn.reshape(num_tokens, q_dim)
-        quantize_rows(flat, aq, ad, as_)
-        gemm_q8(aq, ad, as_, parts, qtypes, f16_table, o, cols, num_threads, b[1], b[2])
-        new_x = np.empty_like(x)
-        add_norm_quant(x, o, norms[layer, 1], eps, new_x, h, xq, xd, xs)
-        gemm_q8(xq, xd, xs, parts, qtypes, f16_table, gate_up, cols, num_threads, b[2], b[3])
-        swiglu_quant(gate_up, d_ffn, act, fq, fd, fs)
-        gemm_q8(fq, fd, fs, parts, qtypes, f16_table, down, cols, num_threads, b[3], b[4])
-        for t in range(num_tokens):
-            for j in range(d):
-                new_x[t, j] += down[t, j]
-        x = new_x
-    return x
+                for j in range(d):
+                    new_x[t, j] += down[t, j]
 
 
 def query_tables(rows, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
