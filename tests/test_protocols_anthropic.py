@@ -25,7 +25,7 @@ from ninfer.protocols.anthropic import (
     to_tool_choice,
     to_tools,
 )
-from ninfer.protocols.anthropic_events import MessageStream, error_body, stop_reason, to_json
+from ninfer.protocols.anthropic_events import MessageStream, StreamFrames, error_body, stop_reason, to_json
 from ninfer.protocols.strict import WireFormatError
 
 WEATHER_TOOL = {
@@ -330,3 +330,31 @@ def test_error_body_shape():
     assert error_body("overloaded_error", "busy") == {
         "type": "error", "error": {"type": "overloaded_error", "message": "busy"},
     }  # fmt: skip
+
+
+def test_stream_frames_are_the_general_events_byte_for_byte():
+    """`StreamFrames` fills a text delta's template instead of encoding the whole event: for
+    texts that JSON must escape, across two text blocks with a tool call between, every frame
+    equals `sse_event(to_json(event), event.type)` and the SDK's event type reads it."""
+    from ninfer.protocols.sse import _MARK, sse_event
+
+    texts = ["Hello", 'a "quoted" \\ back\\slash', "line\nbreak\ttab\r", "Ünïcödé – ✓ 🦙", "\x00\x1f", _MARK,
+             f"x{_MARK}y"]  # fmt: skip
+    stream, frames = MessageStream(message_id="msg_1", model=_MARK, stop_sequences=()), StreamFrames()
+    events = stream.start(prompt_tokens=5, cached_tokens=0)
+    events += [e for text in texts for e in stream.text(text)]
+    events += stream.tool_call(index=0, call_id="toolu_1", name="f", arguments='{"a": 1}')
+    events += [e for text in texts for e in stream.text(text)]
+    events += stream.finish(reason="stop", completion_tokens=9)
+    adapter, got_texts = TypeAdapter(RawMessageStreamEvent), []
+    for event in events:
+        frame = frames.encode(event)
+        assert frame == sse_event(to_json(event), event.type), event
+        name, data = frame.decode().removesuffix("\n\n").split("\n")
+        if name == "event: ping":  # not one of the SDK's message events
+            continue
+        parsed = adapter.validate_python(json.loads(data.removeprefix("data: ")))
+        assert name == f"event: {parsed.type}"
+        if parsed.type == "content_block_delta" and parsed.delta.type == "text_delta":
+            got_texts.append((parsed.index, parsed.delta.text))
+    assert got_texts == [(0, t) for t in texts] + [(2, t) for t in texts]

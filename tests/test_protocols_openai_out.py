@@ -9,8 +9,8 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from ninfer.protocols.calls import LogprobEntry, TextDelta
-from ninfer.protocols.openai_out import _MARK, ChatChunker
-from ninfer.protocols.sse import sse_event
+from ninfer.protocols.openai_out import ChatChunker
+from ninfer.protocols.sse import _MARK, sse_event
 
 TEXTS = ["Hello", " world", 'a "quoted" \\ back\\slash', "line\nbreak\ttab\r", "Ünïcödé – ✓ 🦙", "\x00\x1f",
          "</s>", "{\"json\": [1, 2]}", _MARK, f"x{_MARK}y"]  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ninfer.protocols.sse import EventTemplate, sse_event
 from ninfer.protocols.strict import make_converter
 
 
@@ -157,6 +158,26 @@ converter = make_converter()
 def to_json(obj: Any) -> dict[str, Any]:
     """An output object as a JSON-ready dict (field names as on the wire)."""
     return converter.unstructure(obj)
+
+
+class StreamFrames:
+    """A message stream's events as SSE bytes. A text delta, once a frame per stream on the
+    serving path, fills an `EventTemplate` of its block (made when the block's first delta
+    comes) instead of encoding the whole event: the same bytes, the text alone encoded."""
+
+    def __init__(self):
+        self._block, self._text = -1, None
+
+    def encode(self, event: StreamEvent) -> bytes:
+        if isinstance(event, ContentBlockDelta) and isinstance(event.delta, TextDelta):
+            if event.index != self._block or self._text is None:
+                self._block = index = event.index
+                self._text = EventTemplate(
+                    lambda text: sse_event(to_json(ContentBlockDelta(index=index, delta=TextDelta(text=text))),
+                                           "content_block_delta")  # fmt: skip
+                )
+            return self._text.fill(event.delta.text)
+        return sse_event(to_json(event), event.type)
 
 
 def error_body(error_type: str, message: str) -> dict[str, Any]:

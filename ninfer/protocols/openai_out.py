@@ -14,7 +14,7 @@ import cattrs
 
 from ninfer.core.usage import Usage
 from ninfer.protocols.calls import CallResult, LogprobEntry, TextDelta, ToolCallDelta
-from ninfer.protocols.sse import encode_json, sse_event
+from ninfer.protocols.sse import EventTemplate, sse_event
 
 _OUT = cattrs.Converter(omit_if_default=True)
 
@@ -155,16 +155,13 @@ class ChatCompletionChunk:
     usage: UsageOut | None = None
 
 
-_MARK = "ninfer-text-5f0c"  # stands for a text delta's content in ChatChunker's event template
-
-
 class ChatChunker:
     """Builds the chunks of one streamed chat answer, in order."""
 
     def __init__(self, *, id: str, created: int, model: str, include_usage: bool):
         self._head = (id, created, model)
         self._include_usage = include_usage
-        self._text_frame: tuple[bytes, ...] | None = None  # (before, after) the content's JSON string
+        self._text_frame: EventTemplate | None = None  # a plain text delta's event, made at the first
 
     def _chunk(self, choices: list[ChunkChoice], usage: UsageOut | None = None) -> dict[str, Any]:
         return {"object": "chat.completion.chunk", **to_wire(ChatCompletionChunk(*self._head, choices, usage))}
@@ -179,20 +176,16 @@ class ChatChunker:
 
     def text_event(self, delta: TextDelta) -> bytes | None:
         """`text`'s chunk as an SSE event. Plain text (no logprobs), once a frame per stream on
-        the serving path, fills the bytes of one such event made once: only the content is
+        the serving path, fills an `EventTemplate` made once per stream: only the content is
         encoded, and the event is the one `sse_event(self.text(delta))` gives."""
-        if self._text_frame is None:
-            mark = encode_json(_MARK).encode()
-            event = sse_event(self.text(TextDelta(_MARK)))
-            # (an id or model name that is the marker itself: no template, every event encoded)
-            self._text_frame = tuple(event.split(mark)) if event.count(mark) == 1 else ()
-        if delta.logprobs is not None or not self._text_frame:
+        if delta.logprobs is not None:
             chunk = self.text(delta)
             return None if chunk is None else sse_event(chunk)
         if not delta.text:
             return None
-        before, after = self._text_frame
-        return before + encode_json(delta.text).encode() + after
+        if self._text_frame is None:
+            self._text_frame = EventTemplate(lambda text: sse_event(self.text(TextDelta(text))))
+        return self._text_frame.fill(delta.text)
 
     def tool_call(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
         """Two chunks per call: id + name first, then the arguments (as OpenAI streams them)."""

@@ -17,7 +17,7 @@ import trio
 from quart import Response, request
 
 from ninfer.protocols import anthropic as wire
-from ninfer.protocols.anthropic_events import MessageStream, Ping, to_json
+from ninfer.protocols.anthropic_events import MessageStream, Ping, StreamFrames, to_json
 from ninfer.protocols.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
 from ninfer.protocols.errors import ApiError, ErrorKind
 from ninfer.protocols.sse import sse_event
@@ -77,7 +77,8 @@ async def _messages(service) -> Response:
             async for event in stream:
                 _fold(assembler, event)
         return _final(assembler)
-    return await open_sse(stream, lambda event: _chunks(assembler, event), _stream_error)
+    frames = StreamFrames()
+    return await open_sse(stream, lambda event: _chunks(assembler, frames, event), _stream_error)
 
 
 def _fold(assembler: MessageStream, event) -> list:
@@ -100,11 +101,11 @@ def _final(assembler: MessageStream) -> Response:
     return json_response(to_json(assembler.message()))
 
 
-def _chunks(assembler: MessageStream, event) -> list[bytes]:
+def _chunks(assembler: MessageStream, frames: StreamFrames, event) -> list[bytes]:
     """Anthropic events as SSE, with pings while nothing else happens."""
     if isinstance(event, Idle):
-        return [sse_event(to_json(Ping()), "ping")]
-    return [sse_event(to_json(e), e.type) for e in _fold(assembler, event)]
+        return [frames.encode(Ping())]
+    return [frames.encode(e) for e in _fold(assembler, event)]
 
 
 def _stream_error(exc: Exception) -> list[bytes]:
