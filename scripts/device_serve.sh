@@ -24,11 +24,23 @@
 #           (WARM_MODEL: default the staged GGUF; "--random smollm2-135m" needs no model file)
 #   tests   the GPU tests (TESTS: pytest arguments)
 #   hybench `ninfer bench --random qwen35-27b` (HY_SHAPE, HY_QTYPE, HY_STREAMS, HY_PROMPTS): the hybrid at scale
-#   bench   `ninfer bench` decode / prefill of this tree and of the base tree (BENCH_MODEL: default the
-#           staged GGUF; `--random smollm2-135m` needs no model file)
+#   bench   `ninfer bench` decode / prefill of this tree and of the base tree when one is staged
+#           (BENCH_MODEL: default the staged GGUF; `--random smollm2-135m` needs no model file;
+#           BENCH_STREAMS, default 1,16,64)
+#   peerbuild  build llama-server (and llama-batched-bench) once, with CUDA for sm_90, from the
+#           llama.cpp source tarball LLAMA_SRC (default .stage/llama_src.tar.gz: llama.cpp without
+#           models/ docs/ tests/ examples/, ~9 MB) into /tmp/llama-build; skipped when the binary is
+#           there (the machine keeps /tmp while it stays warm); log to peer_build.log
+#   peer    llama-server on the staged file (`-np 64 -c PEER_CTX -fa on -ngl 99`, PEER_CTX default
+#           64 x 512; PEER_FLAGS adds some) driven by the serve stage's load (`ninfer bench serve`,
+#           STREAMS, 256 tokens, two passes); builds it first when needed; peer.txt, peer.json
+#   peerprefix  the prefix stage's load against llama-server (`-c PEERPREFIX_CTX`, default
+#           64 x 2560); peerprefix.txt, peerprefix.json
+# After the stages, every pass of every load run in this invocation is printed as one table.
 # Logs and JSON go under $OUT.
 set -uo pipefail
 WHAT=,${1:-setup},
+REPO=$PWD
 OUT=${OUT:-/tmp/ninfer-out}
 mkdir -p "$OUT" /tmp/ninfer-stage
 export PYTHONUNBUFFERED=1 NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 NINFER_CACHE_DIR=${NINFER_CACHE_DIR:-/tmp/ninfer-cache}
@@ -52,6 +64,15 @@ if [ -f .stage/new.tar.gz ]; then
 fi
 ninfer() { local tree=$1; shift; PYTHONPATH=/tmp/site:$tree python3 -m ninfer.cli.main "$@"; }
 
+# wait_ready: poll /health on PORT until it answers 200 (or the server PID exits, or READY_S pass)
+wait_ready() {
+  for _ in $(seq ${READY_S:-300}0); do
+    [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$PORT/health)" = 200 ] && return 0
+    kill -0 $PID 2>/dev/null || return 1
+    sleep 0.1
+  done
+}
+
 # start_server LABEL TREE "SERVE FLAGS": start `ninfer serve`, wait for /health; sets PORT and PID
 start_server() {
   local label=$1 tree=$2 flags=$3 t0=$(date +%s%N)
@@ -59,29 +80,83 @@ start_server() {
   (cd "$tree" && PYTHONPATH=/tmp/site:$tree exec python3 -m ninfer.cli.main serve "$GGUF" --port $PORT \
      --max-concurrency 64 $flags > "$OUT/serve_$label.log" 2>&1) &
   PID=$!
-  for _ in $(seq ${READY_S:-300}0); do
-    [ "$(curl -s -o /dev/null -w '%{http_code}' localhost:$PORT/health)" = 200 ] && break
-    kill -0 $PID 2>/dev/null || break
-    sleep 0.1
-  done
+  wait_ready
   echo "$label: ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms; $(grep -o 'warmed up.*' "$OUT/serve_$label.log" | tail -1)" \
     | tee -a "$OUT/ready.txt"
 }
 stop_server() { kill -INT $PID 2>/dev/null; sleep 2; kill -9 $PID 2>/dev/null; wait $PID 2>/dev/null; }
 
+# drive LABEL TEXT BENCH ARGS...: `ninfer bench serve` of this tree against the server on PORT; the
+# table goes to TEXT (lines prefixed with LABEL), the JSON to bench_LABEL.json (JSONS: this call's)
+JSONS=()
+drive() {
+  local label=$1 text=$2; shift 2
+  PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_SERVE_S:-240} python3 -m ninfer.cli.main bench serve \
+    --url http://127.0.0.1:$PORT --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
+    | sed "s/^/$label /" | tee -a "$text"
+  JSONS+=("$OUT/bench_$label.json")
+}
+
 # serve_and_bench LABEL TREE "SERVE FLAGS" BENCH ARGS...: start, wait for /health, bench, stop
 serve_and_bench() {
   local label=$1 tree=$2 flags=$3; shift 3
   start_server "$label" "$tree" "$flags"
-  PYTHONPATH=/tmp/site:$ROOT timeout ${BENCH_SERVE_S:-240} python3 -m ninfer.cli.main bench serve \
-    --url http://127.0.0.1:$PORT --json "$OUT/bench_$label.json" "$@" 2>/dev/null \
-    | sed "s/^/$label /" | tee -a "$OUT/served.txt"
+  drive "$label" "$OUT/served.txt" "$@"
   curl -s localhost:$PORT/admin/stats > "$OUT/stats_$label.json"; curl -s localhost:$PORT/metrics > "$OUT/metrics_$label.txt"
+  stop_server
+}
+
+# The peer: llama-server of the llama.cpp sources in LLAMA_SRC, built once into /tmp/llama-build.
+LLAMA_SERVER=/tmp/llama-build/bin/llama-server
+build_peer() {
+  [ -x "$LLAMA_SERVER" ] && return 0
+  local src=${LLAMA_SRC:-$REPO/.stage/llama_src.tar.gz} t0=$(date +%s) gen=Ninja
+  [ -f "$src" ] || { echo "peer: no llama.cpp sources at $src"; return 1; }
+  export PATH=$PATH:/usr/local/cuda/bin
+  command -v ninja >/dev/null || gen="Unix Makefiles"
+  echo "peer: cmake $(command -v cmake || echo missing), ninja $(command -v ninja || echo missing), nvcc $(command -v nvcc || echo missing)"
+  rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar xzf "$src" -C /tmp/llama-src || return 1
+  local dir=$(ls -d /tmp/llama-src/*/ | head -1)
+  { cmake -S "$dir" -B /tmp/llama-build -G "$gen" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+      -DLLAMA_OPENSSL=OFF -DGGML_CUDA_NCCL=OFF \
+    && timeout ${PEER_BUILD_S:-540} cmake --build /tmp/llama-build --target llama-server llama-batched-bench -j${PEER_JOBS:-16}
+  } > "$OUT/peer_build.log" 2>&1
+  local rc=$?
+  tail -n 5 "$OUT/peer_build.log"
+  echo "peer: build rc $rc after $(( $(date +%s) - t0 )) s"
+  [ -x "$LLAMA_SERVER" ]
+}
+
+# start_peer LABEL CTX: llama-server on the staged file, wait for /health; sets PORT and PID
+start_peer() {
+  local label=$1 ctx=$2 t0=$(date +%s%N)
+  PORT=$((8100 + RANDOM % 800))
+  "$LLAMA_SERVER" -m "$GGUF" -np ${PEER_NP:-64} -c $ctx -fa on -ngl 99 --host 127.0.0.1 --port $PORT ${PEER_FLAGS:-} \
+    > "$OUT/peer_server_$label.log" 2>&1 &
+  PID=$!
+  wait_ready
+  echo "$label: llama-server ready after $(( ($(date +%s%N) - t0) / 1000000 )) ms ($LLAMA_SERVER -np ${PEER_NP:-64} -c $ctx -fa on -ngl 99 ${PEER_FLAGS:-})" \
+    | tee -a "$OUT/ready.txt"
+}
+
+# peer_and_bench LABEL CTX BENCH ARGS...: llama-server, the same load as ninfer's, stop
+peer_and_bench() {
+  local label=$1 ctx=$2; shift 2
+  build_peer || { echo "$label: no llama-server"; return 1; }
+  start_peer "$label" "$ctx"
+  drive "$label" "$OUT/$label.txt" "$@"
+  mv "$OUT/bench_$label.json" "$OUT/$label.json" 2>/dev/null; JSONS[-1]="$OUT/$label.json"
+  "$LLAMA_SERVER" --version > "$OUT/peer_version.txt" 2>&1
   stop_server
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 STREAMS=${STREAMS:-1,4,16,64}
+if has peerbuild; then build_peer; fi
+if has peer; then  # llama-server under the serve stage's load (64 slots of 512 tokens: ~170 in, 256 out)
+  peer_and_bench peer ${PEER_CTX:-32768} --concurrency $STREAMS --output-tokens 256 --passes 2
+fi
 if has serve; then
   serve_and_bench new "$ROOT" "${SERVE_FLAGS:-}" --concurrency $STREAMS --output-tokens 256 --passes 2
 fi
@@ -96,6 +171,10 @@ if has ready; then  # start-up alone, both trees (their kernel caches differ: th
     label=$([ "$tree" = /tmp/base ] && echo base || echo new)
     for i in $(seq ${READY_STARTS:-2}); do start_server "ready_${label}_$i" "$tree" "${SERVE_FLAGS:-}"; stop_server; done
   done
+fi
+if has peerprefix; then  # llama-server under the prefix stage's load (64 slots of 2,560 tokens: ~2,164 in, 64 out)
+  peer_and_bench peerprefix ${PEERPREFIX_CTX:-163840} --concurrency ${PREFIX_STREAMS:-16,64} --shared-prefix-tokens 2000 \
+    --prompt-tokens 150 --output-tokens 64 --passes 3
 fi
 if has prefix; then
   serve_and_bench prefix "$ROOT" "${SERVE_FLAGS:-}" --concurrency ${PREFIX_STREAMS:-16,64} --shared-prefix-tokens 2000 \
@@ -163,8 +242,25 @@ if has hybench; then  # the Qwen3.5-27B-sized random hybrid (#31): decode agains
 fi
 if has bench; then
   for tree in /tmp/base "$ROOT"; do
+    [ -d "$tree" ] || continue
     (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout ${BENCH_S:-150} python3 -m ninfer.cli.main bench ${BENCH_MODEL:-$GGUF} \
        --activations q8 --streams ${BENCH_STREAMS:-1,16,64} --prompt-lens 512 --repeats ${BENCH_REPEATS:-3} 2>&1 | tail -n 12) \
       | sed "s/^/$(basename $tree) /" | tee -a "$OUT/bench.txt"
   done
+fi
+
+# this call's load runs, every pass: aggregate tok/s, TTFT p50, ITL p50, tokens a frame, prompt / cached tokens
+if [ ${#JSONS[@]} -gt 0 ]; then
+  python3 - "${JSONS[@]}" <<'PY'
+import json, os, sys
+print(f"{'run':<12}{'level':>6}{'pass':>9}{'err':>4}{'tok/s':>9}{'TTFT p50':>10}{'ITL p50':>9}{'tok/fr':>7}{'prompt':>8}{'cached':>8}")
+for path in sys.argv[1:]:
+    if not os.path.exists(path):
+        print(f"{path}: missing"); continue
+    label = os.path.basename(path)[:-5].removeprefix("bench_")
+    for row in json.load(open(path))["results"]:
+        s = row["summary"]
+        print(f"{label:<12}{row['level']:>6}{row['pass']:>9}{s['errors']:>4}{s['tok_s']:>9,.0f}{s['ttft_ms']['p50'] or 0:>10.1f}"
+              f"{s['itl_ms']['p50'] or 0:>9.2f}{s['tokens_per_frame']:>7}{str(s['prompt_tokens_mean']):>8}{str(s['cached_tokens_mean']):>8}")
+PY
 fi
