@@ -42,3 +42,32 @@ def test_empty_text_has_no_event_and_logprobs_take_the_general_path():
         assert event is not None and event == _general(chunker, delta)
         parsed = ChatCompletionChunk.model_validate(json.loads(event.decode().removeprefix("data: ")))
         assert parsed.choices[0].logprobs.content[0].logprob == -0.25
+
+
+@pytest.mark.parametrize("echo", ["", "Once upon"])
+def test_a_streamed_completion_text_chunk_from_the_template_is_the_general_one(echo):
+    """A text completion's plain text chunks fill an event template (`sse.EventTemplate`): the
+    bytes are those of the general encode (the echo rides with the first chunk), each is one
+    `data:` line, and logprobs or the finish take the general path."""
+    from ninfer.protocols.calls import CallFinished
+    from ninfer.core.usage import Usage
+    from ninfer.server.routes_openai import _CompletionStreamState
+
+    state = _CompletionStreamState("cmpl-1", 1_700_000_000, _MARK, echo, include_usage=True)
+    general = _CompletionStreamState("cmpl-1", 1_700_000_000, _MARK, echo, include_usage=True)
+    got = []
+    for i, text in enumerate(TEXTS):
+        [event] = state.chunks(TextDelta(text))
+        assert event == general._chunk((echo if i == 0 else "") + text, None, None), text
+        [line] = event.decode().removesuffix("\n\n").split("\n")
+        chunk = json.loads(line.removeprefix("data: "))
+        assert chunk["object"] == "text_completion" and chunk["model"] == _MARK
+        got.append(chunk["choices"][0]["text"])
+    assert "".join(got) == echo + "".join(TEXTS)
+    assert state.chunks(TextDelta("")) == []
+    entry = LogprobEntry(7, "hi", b"hi", -0.25, ())
+    [event] = state.chunks(TextDelta("hi", (7,), (entry,)))
+    assert json.loads(event.decode().removeprefix("data: "))["choices"][0]["logprobs"]["token_logprobs"] == [-0.25]
+    usage = Usage(prompt_tokens=3, completion_tokens=len(TEXTS) + 1)
+    finish = state.chunks(CallFinished(reason="stop", usage=usage))
+    assert [json.loads(e.decode().removeprefix("data: "))["choices"][:1] for e in finish][1] == []

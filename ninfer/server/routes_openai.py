@@ -19,7 +19,7 @@ from ninfer.protocols import openai_calls as calls
 from ninfer.protocols import openai_out as out
 from ninfer.protocols.calls import CallFinished, CallStarted, Idle, TextDelta, ToolCallDelta
 from ninfer.protocols.errors import ApiError, ErrorKind
-from ninfer.protocols.sse import DONE, sse_comment, sse_event
+from ninfer.protocols.sse import DONE, EventTemplate, sse_comment, sse_event
 from ninfer.protocols.strict import structure
 from ninfer.server.http_io import error_from_exception, json_response, open_sse, raise_if_failed, read_json
 
@@ -126,6 +126,7 @@ class _CompletionStreamState:
         self._pending_echo = echo
         self._offset = len(echo)
         self._include_usage = include_usage
+        self._text = EventTemplate(lambda text: self._chunk(text, None, None))  # a plain text chunk's event
 
     def _chunk(self, text: str, logprobs, finish_reason: str | None) -> bytes:
         choice = out.CompletionChoice(text, 0, logprobs, finish_reason)
@@ -138,7 +139,9 @@ class _CompletionStreamState:
             text, self._pending_echo = self._pending_echo + event.text, ""
             logprobs = out.completion_logprobs(event.logprobs, self._offset)
             self._offset += len(event.text)
-            return [self._chunk(text, logprobs, None)] if text or logprobs else []
+            if logprobs is None:
+                return [self._text.fill(text)] if text else []
+            return [self._chunk(text, logprobs, None)]
         if isinstance(event, CallFinished):
             raise_if_failed(event)
             chunks = [self._chunk(self._pending_echo, None, event.reason)]
