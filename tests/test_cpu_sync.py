@@ -51,3 +51,18 @@ def test_the_atomics_add_and_read():
     values = np.array([7, 3], np.int64)
     assert _atomics(values) == (3, 8, 7)
     assert values.tolist() == [5, 8]
+
+
+def test_the_barrier_threads_follow_the_layer_and_openmp_settings(monkeypatch):
+    """The step meets at barriers with as many threads as the region surely gets: all asked for
+    under omp / workqueue, none more than OMP_THREAD_LIMIT, one under OMP_DYNAMIC=true (omp)."""
+    from ninfer.cpu.sync import barrier_threads, layer_name
+
+    for name in ("OMP_DYNAMIC", "OMP_THREAD_LIMIT"):
+        monkeypatch.delenv(name, raising=False)
+    assert barrier_threads(2) == 2 and barrier_threads(1) == 1
+    monkeypatch.setenv("OMP_THREAD_LIMIT", "1")
+    assert barrier_threads(2) == (1 if layer_name() == "omp" else 2)
+    monkeypatch.delenv("OMP_THREAD_LIMIT")
+    monkeypatch.setenv("OMP_DYNAMIC", "TRUE")
+    assert barrier_threads(4) == (1 if layer_name() == "omp" else 4)

@@ -30,7 +30,7 @@ from ninfer.cpu.fused import add_norm_quant, rope_store, swiglu_quant
 from ninfer.cpu.blocks import F16_TABLE
 from ninfer.cpu.matrix import BLAS_FROM, QuantMatrix
 from ninfer.cpu.step import LayerTables, forward_layers, query_tables
-from ninfer.cpu.sync import safe_layer
+from ninfer.cpu.sync import barrier_threads
 from ninfer.gpu.blas import available_cores
 from ninfer.gpu.reference import ReferenceRunner, rms_norm, spec_and_weights
 from ninfer.models.weights import ModelWeights, StoredTensor
@@ -94,7 +94,7 @@ class CpuRunner(ReferenceRunner):
         super().__init__((spec, kept), num_pages=num_pages, page_size=page_size)
         self._fused_glue = self._fusable()  # asked once, not per layer and step
         self._layer_tables = LayerTables.build(self._layers) if self._fused_glue else None
-        self._step_threads: int | None = None  # forward_layers' threads: 1 unless `sync.safe_layer`
+        self._step_threads: int | None = None  # forward_layers' threads (`sync.barrier_threads`)
 
     def warm_up(self, *, progress: bool = False) -> None:
         """Compile every kernel a step can reach, or load it from numba's disk cache (a first
@@ -141,7 +141,7 @@ class CpuRunner(ReferenceRunner):
             return super()._layers_forward(x, rows, batch, kept)
         spec, t = self.spec, self._layer_tables
         if self._step_threads is None:  # asked once the pool exists (the first step starts it)
-            self._step_threads = self.num_threads if safe_layer() else 1
+            self._step_threads = barrier_threads(self.num_threads)
         # never more threads than the region will have: two iterations on one thread would
         # wait at the first barrier for themselves (`_step` sets the count; direct callers may not)
         threads = min(self._step_threads, numba.get_num_threads())

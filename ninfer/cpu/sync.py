@@ -20,6 +20,7 @@ its own: numba's omp and workqueue layers give each thread one equal chunk (`saf
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 
@@ -121,14 +122,35 @@ def barrier(sync, num_threads):
 SAFE_LAYERS = ("omp", "workqueue")
 
 
-def safe_layer() -> bool:
-    """Whether numba's threading layer runs each of `prange(num_threads)`'s iterations on a
-    thread of its own (omp, workqueue: one static chunk a thread), as `barrier` needs; tbb's
-    work stealing may run two on one thread, which would wait for itself."""
+def layer_name() -> str:
+    """numba's threading layer (starting the pool first if no parallel region has run)."""
     try:
-        return numba.threading_layer() in SAFE_LAYERS
+        return numba.threading_layer()
     except ValueError:  # no parallel region has run yet: start the pool to learn its layer
         from numba.np.ufunc import parallel
 
         parallel._launch_threads()
-        return numba.threading_layer() in SAFE_LAYERS
+        return numba.threading_layer()
+
+
+def safe_layer() -> bool:
+    """Whether numba's threading layer runs each of `prange(num_threads)`'s iterations on a
+    thread of its own (omp, workqueue: one static chunk a thread), as `barrier` needs; tbb's
+    work stealing may run two on one thread, which would wait for itself."""
+    return layer_name() in SAFE_LAYERS
+
+
+def barrier_threads(requested: int) -> int:
+    """How many threads may meet at `barrier` in one region: `requested` under a `safe_layer`,
+    else 1. Under omp, OpenMP's own settings may give a region fewer threads than asked:
+    OMP_DYNAMIC=true (the runtime sizes teams by the machine's load) makes it 1, and
+    OMP_THREAD_LIMIT caps it."""
+    if not safe_layer():
+        return 1
+    if layer_name() == "omp":
+        if os.environ.get("OMP_DYNAMIC", "").strip().lower() == "true":
+            return 1
+        limit = os.environ.get("OMP_THREAD_LIMIT", "").strip()
+        if limit.isdigit() and int(limit) >= 1:
+            return max(1, min(requested, int(limit)))
+    return max(1, requested)
