@@ -89,7 +89,7 @@ def forward_layers(x, parts, qtypes, cols, bounds, norms, biases, slots, k_pools
     page table tables[table_of[t]].
 
     One parallel launch for the whole step: each of `num_threads` threads (numba's pool must
-    have that many, and a `sync.safe_layer`) walks every layer, takes its share of each
+    have that many, and at most `sync.barrier_threads`) walks every layer, takes its share of each
     product and of the attention, and meets the others at `sync.barrier` between stages;
     thread 0 alone runs the short serial glue (norms, RoPE, SwiGLU, the quantizations)."""
     num_tokens, d = x.shape
